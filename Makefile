@@ -1,0 +1,29 @@
+# Fresh machine: `make demo` (the main job) and `make test` (the test suite) each set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+EXTRAS ?= dev
+
+.PHONY: venv demo test bench clean
+
+# The stamp depends on what decides the install, so an edited pyproject re-installs.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m workbench.cli demo
+
+test: venv
+	$(PY) -m pytest -q tests
+
+bench: venv
+	$(PY) benchmarks/bench_model.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,124 @@
+"""How a loop sees where it is: initial-state, history-state and stable injection; timestep conditioning.
+
+Every module here starts as the identity on the loop state (the stable Parcae form excepted, which
+starts damped by design), so an untrained conditioned model equals the plain one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .layers import Mod
+
+
+class InitialInjection(nn.Module):
+    """T(h, h0): mix the prelude output h0 back into the loop state before every core pass."""
+
+    def __init__(self, kind: str, d: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "scalar":  # h + alpha h0
+            self.alpha = nn.Parameter(torch.zeros(()))
+        elif kind == "channel":  # a*h + b*h0
+            self.a = nn.Parameter(torch.ones(d))
+            self.b = nn.Parameter(torch.zeros(d))
+        elif kind == "dense":  # [W_h W_0] [h; h0], one matmul over the concatenation
+            self.weight = nn.Parameter(torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1))
+        elif kind == "stable":
+            # Parcae: A = -exp(A_log) diagonal, step dt = exp(log_dt); zero-order hold A_bar = exp(dt A)
+            # lies in (0, 1) for any parameters, so the linear carry cannot blow up; Euler B_bar = dt B.
+            # Init (A_log = 0, log_dt = 0, B = 0.1) follows public Parcae re-implementations.
+            self.A_log = nn.Parameter(torch.zeros(d))
+            self.log_dt = nn.Parameter(torch.zeros(()))
+            self.B = nn.Parameter(torch.full((d,), 0.1))
+        else:
+            raise ValueError(f"inject={kind!r} is invalid: must be one of scalar, channel, dense, stable")
+
+    def discretized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (A_bar, B_bar) of the stable form, each [d]; A_bar is in (0, 1) elementwise."""
+        A_bar = torch.exp(-torch.exp(self.A_log + self.log_dt))
+        return A_bar, torch.exp(self.log_dt) * self.B
+
+    def forward(self, h: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        """Return T(h, h0), same shape as h."""
+        if self.kind == "scalar":
+            return h + self.alpha * h0
+        if self.kind == "channel":
+            return self.a * h + self.b * h0
+        if self.kind == "dense":
+            return torch.cat([h, h0.expand_as(h)], dim=-1) @ self.weight.T
+        A_bar, B_bar = self.discretized()
+        return A_bar * h + B_bar * h0
+
+
+class HistoryInjection(nn.Module):
+    """h + sum_j B_j (h_{t-j} - h): lag operators B_1..B_w shared across loops, zero-initialised."""
+
+    def __init__(self, window: int, op: str, d: int):
+        super().__init__()
+        self.op = op
+        shape = {"scalar": (window,), "channel": (window, d), "dense": (window, d, d)}
+        if op not in shape:
+            raise ValueError(f"history_op={op!r} is invalid: must be one of scalar, channel, dense")
+        self.lags = nn.Parameter(torch.zeros(shape[op]))
+
+    def forward(self, h: torch.Tensor, past: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Return h + sum_{j=1..len(past)} B_j (past[j-1] - h); past[0] is h_{t-1}, most recent first."""
+        out = h
+        for j, hp in enumerate(past):
+            diff = hp - h
+            if self.op == "dense":
+                out = out + diff @ self.lags[j].T
+            else:
+                out = out + self.lags[j] * diff
+        return out
+
+
+def timestep_features(horizon: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Return psi(t, dt) for loops l = 0..horizon-1 as [horizon, 8], with t = l/T and dt = 1/T.
+
+    The loop index l is 0-based so that every feature but dt and dt^2 vanishes at the first loop,
+    as an ODE step from t to t + dt (the project's choice; the source writes t = l/T).
+    """
+    T = float(horizon)
+    t = torch.arange(horizon, dtype=torch.float64) / T
+    dt = torch.full_like(t, 1.0 / T)
+    feats = torch.stack([t, dt, t * t, dt * dt, t * dt, torch.sin(math.pi * t),
+                         torch.cos(math.pi * t) - 1, torch.sin(2 * math.pi * t)], dim=-1)
+    return feats.to(device=device, dtype=dtype)
+
+
+class TimestepConditioning(nn.Module):
+    """Loop gating (8 params), branch gating (8 per layer and branch) or AdaLN (2d x 8 per layer and branch)."""
+
+    def __init__(self, kind: str, n_layers: int, d: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "loop_gate":
+            self.q = nn.Parameter(torch.zeros(8))
+        elif kind == "branch_gate":
+            self.q = nn.Parameter(torch.zeros(n_layers, 2, 8))
+        elif kind == "adaln":
+            self.W = nn.Parameter(torch.zeros(n_layers, 2, 2 * d, 8))
+        else:
+            raise ValueError(f"timestep={kind!r} is invalid: must be one of loop_gate, branch_gate, adaln")
+        self.n_layers, self.d = n_layers, d
+
+    def loop_gates(self, psi: torch.Tensor) -> torch.Tensor:
+        """Return g = 1 + q.psi for every loop, [T] (loop gating)."""
+        return 1 + psi @ self.q
+
+    def block_mods(self, psi: torch.Tensor) -> list[list[tuple[Mod, Mod]]]:
+        """Return, per loop and core layer, the (attention, MLP) branch modulations."""
+        if self.kind == "branch_gate":
+            g = 1 + torch.einsum("lbf,tf->tlb", self.q, psi)  # [T, layers, 2]
+            return [[((g[t, i, 0], None), (g[t, i, 1], None)) for i in range(self.n_layers)]
+                    for t in range(psi.shape[0])]
+        gs = torch.einsum("lbef,tf->tlbe", self.W, psi)  # [T, layers, 2, 2d] = [g - 1; s]
+        return [[((1 + gs[t, i, 0, :self.d], gs[t, i, 0, self.d:]),
+                  (1 + gs[t, i, 1, :self.d], gs[t, i, 1, self.d:])) for i in range(self.n_layers)]
+                for t in range(psi.shape[0])]

@@ -1,0 +1,130 @@
+"""Transformer pieces: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, pre-norm Block.
+
+Conventions follow Hugging Face's Llama (rotate-half rotary, RMSNorm computed in float32) so a
+pretrained Llama maps onto these modules by copying weights, with Q/K/V and gate/up fused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# A branch modulation: (gate g, shift s). g multiplies the branch output (a scalar or [d]); s, if not
+# None, scales the normalised input as (1 + s). None means "no modulation" and costs nothing.
+Mod = tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in float32 like Llama."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x / rms(x) * weight in x's dtype."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables (rotate-half convention); cos/sin cached up to max_seq_len."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        t = torch.arange(max_seq_len, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (cos, sin) of shape [seq_len, head_dim] for positions 0..seq_len-1."""
+        if seq_len > self.cos.shape[0]:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cos.shape[0]}")
+        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Return x [B, H, T, hd] rotated by the position tables (rotate-half form)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads through F.scaled_dot_product_attention."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
+        self.o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Return the attention output [B, T, d] for input x [B, T, d]."""
+        B, T, _ = x.shape
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).view(B, T, H + 2 * KV, hd).transpose(1, 2).split([H, KV, KV], dim=1)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if KV != H:
+            # repeat rather than enable_gqa: the CPU flash kernel does not take enable_gqa
+            k = k.repeat_interleave(H // KV, dim=1)
+            v = v.repeat_interleave(H // KV, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, H * hd))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.d_ff = d_ff
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the MLP output [B, T, d]."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block (optionally sandwich-normed): u += Branch(Norm(u)) for attn, MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, eps: float = 1e-6,
+                 sandwich: bool = False, attn_bias: bool = False):
+        super().__init__()
+        self.attn_norm = RMSNorm(d_model, eps)
+        self.attn = Attention(d_model, n_heads, n_kv_heads, bias=attn_bias)
+        self.mlp_norm = RMSNorm(d_model, eps)
+        self.mlp = SwiGLU(d_model, d_ff)
+        self.attn_post = RMSNorm(d_model, eps) if sandwich else None
+        self.mlp_post = RMSNorm(d_model, eps) if sandwich else None
+
+    @staticmethod
+    def _branch(x, norm, fn, post, mod: Mod):
+        h = norm(x)
+        if mod is not None and mod[1] is not None:
+            h = h * (1 + mod[1])
+        y = fn(h)
+        if post is not None:
+            y = post(y)
+        if mod is not None:
+            y = y * mod[0]
+        return y
+
+    def delta(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None) -> torch.Tensor:
+        """Return Block(x) - x: the block's total residual update (what hyper-connections route)."""
+        u = self._branch(x, self.attn_norm, lambda h: self.attn(h, rope), self.attn_post, attn_mod)
+        return u + self._branch(x + u, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
+
+    def forward(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None) -> torch.Tensor:
+        """Return the block output for x [B, T, d]; mods gate/shift each branch (timestep conditioning)."""
+        x = x + self._branch(x, self.attn_norm, lambda h: self.attn(h, rope), self.attn_post, attn_mod)
+        return x + self._branch(x, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
