@@ -193,8 +193,11 @@ class LoopLM(nn.Module):
         return x
 
     def _reduce(self, h: torch.Tensor) -> torch.Tensor:
-        # hyper-connection streams are summed before the coda (SPEC §1)
-        return h if self.hyper is None else h.sum(-2)
+        # Hyper-connection streams are averaged before the coda. SPEC §1 (after Zhu et al.) sums them;
+        # there a final norm follows and the scale does not matter, but here coda blocks follow, and the
+        # mean keeps the residual scale, makes state 0 equal h0 and makes an untrained hyper-connected
+        # model equal the plain one (the n streams start identical).
+        return h if self.hyper is None else h.mean(-2)
 
     def run_loops(self, h0: torch.Tensor, loops: int, horizon: int | None = None,
                   backward_loops: int | None = None, keep_states: bool = False):
