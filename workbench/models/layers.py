@@ -30,22 +30,33 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding tables (rotate-half convention); cos/sin cached up to max_seq_len."""
+    """Rotary position embedding tables (rotate-half convention), built in float32 once per device.
+
+    The tables are not buffers, so casting the model to bf16 does not round them (HF keeps them in
+    float32 too); they are cast to the activation dtype only where they are applied.
+    """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_seq_len, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        freqs = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().float().to(device), emb.sin().float().to(device)
+
+    def forward(self, seq_len: int, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (cos, sin) of shape [seq_len, head_dim] for positions 0..seq_len-1."""
-        if seq_len > self.cos.shape[0]:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cos.shape[0]}")
-        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}")
+        device = torch.device(device if device is not None else "cpu")
+        if device not in self._tables:
+            self._tables[device] = self._build(device)
+        cos, sin = self._tables[device]
+        return cos[:seq_len].to(dtype), sin[:seq_len].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,7 +73,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
-        self.o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # Llama's attention_bias: q, k, v and o
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Return the attention output [B, T, d] for input x [B, T, d]."""

@@ -101,8 +101,9 @@ class LoopLM(nn.Module):
                 nn.init.normal_(lin.weight, 0.0, std)
             for lin in (blk.attn.o, blk.mlp.down):
                 nn.init.normal_(lin.weight, 0.0, out_std)
-            if blk.attn.qkv.bias is not None:
-                nn.init.zeros_(blk.attn.qkv.bias)
+            for lin in (blk.attn.qkv, blk.attn.o):
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
         nn.init.normal_(self.embed.weight, 0.0, std)
         if self.head is not None:
             nn.init.normal_(self.head.weight, 0.0, std)
@@ -151,22 +152,22 @@ class LoopLM(nn.Module):
             raise ValueError(f"backward_loops={k!r} is invalid: must be an integer in 1..loops={r}")
         return r, k
 
-    def _rope(self, seq_len: int, dtype: torch.dtype):
-        return self.rotary(seq_len, dtype)
+    def _rope(self, like: torch.Tensor):
+        return self.rotary(like.shape[1], like.dtype, like.device)
 
     def embed_prelude(self, tokens: torch.Tensor) -> torch.Tensor:
         """Return h0 [B, T, d]: the prelude's output for tokens [B, T]."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         x = self.embed(tokens)
-        rope = self._rope(tokens.shape[1], x.dtype)
+        rope = self._rope(x)
         for blk in self.prelude:
             x = blk(x, rope)
         return x
 
     def readout(self, state: torch.Tensor) -> torch.Tensor:
         """Return logits [B, T, V]: coda, final norm and head applied to a loop state [B, T, d]."""
-        rope = self._rope(state.shape[1], state.dtype)
+        rope = self._rope(state)
         x = state
         for blk in self.coda:
             x = blk(x, rope)
@@ -211,7 +212,7 @@ class LoopLM(nn.Module):
         T = r if horizon is None else horizon
         if self.timestep is not None and T < r:
             raise ValueError(f"horizon={T} is invalid: must be >= loops={r}")
-        rope = self._rope(h0.shape[1], h0.dtype)
+        rope = self._rope(h0)
         psi = timestep_features(T, h0.device, h0.dtype) if self.timestep is not None else None
         gates = mods = None
         if psi is not None and self.timestep.kind == "loop_gate":

@@ -1,0 +1,141 @@
+"""Hugging Face interop: a `LlamaForCausalLM` <-> `LoopLM` (fused QKV and gate/up, same rotary convention).
+
+At loops=1 the LoopLM built by `from_hf` runs layers prelude -> core -> coda once, i.e. exactly the
+Llama's layers 0..n-1, so its logits equal the Llama's (SPEC §5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import LoopConfig
+from .looped import LoopLM
+
+_LOOP_DEFAULTS = {"inject": "none", "history": 0, "timestep": "none", "hyper": 1,
+                  "sandwich_norm": False, "taper": "uniform"}
+_NORMS = (("attn_norm.weight", "input_layernorm.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"))
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("Hugging Face interop needs transformers: "
+                          "pip install 'looped-workbench[retrofit]'") from e
+    return transformers
+
+
+def _rope_theta(hf_cfg) -> float:
+    """Return rope_theta from a transformers 5 `rope_parameters` dict or a 4.x `rope_theta`/`rope_scaling`."""
+    params = dict(getattr(hf_cfg, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_cfg, "rope_scaling", None) or {})
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise ValueError(f"rope type {kind!r} is not supported: LoopLM implements only the default rotary "
+                         "embedding (no rope scaling)")
+    theta = params.get("rope_theta", getattr(hf_cfg, "rope_theta", None))
+    return 10000.0 if theta is None else float(theta)
+
+
+def _layer_names(cfg: LoopConfig) -> list[str]:
+    p, s, c = cfg.prelude, cfg.core, cfg.coda
+    return [f"prelude.{i}" for i in range(p)] + [f"core.{i}" for i in range(s)] + [f"coda.{i}" for i in range(c)]
+
+
+def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, **overrides: Any) -> LoopLM:
+    """Return a LoopLM whose layers are the Llama's (prelude, core, coda in order), in the Llama's dtype/device."""
+    _transformers()
+    hf = llama.config
+    n = hf.num_hidden_layers
+    if prelude + core + coda != n:
+        raise ValueError(f"prelude + core + coda = {prelude} + {core} + {coda} = {prelude + core + coda} "
+                         f"must equal the Llama's layer count num_hidden_layers={n}")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported: LoopLM's SwiGLU has no biases")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported: LoopLM's MLP is SwiGLU (silu)")
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim is not None and head_dim != hf.hidden_size // hf.num_attention_heads:
+        raise ValueError(f"head_dim={head_dim} is not supported: LoopLM needs head_dim = hidden_size / "
+                         f"num_attention_heads = {hf.hidden_size // hf.num_attention_heads}")
+    fields = dict(vocab_size=hf.vocab_size, d_model=hf.hidden_size, n_heads=hf.num_attention_heads,
+                  n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                  d_ff=hf.intermediate_size, prelude=prelude, core=core, coda=coda, loops=loops,
+                  max_seq_len=hf.max_position_embeddings, rope_theta=_rope_theta(hf), norm_eps=hf.rms_norm_eps,
+                  tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+                  attn_bias=bool(getattr(hf, "attention_bias", False)))
+    fields.update(overrides)
+    model = LoopLM(LoopConfig(**fields))
+    src = {k: v.detach() for k, v in llama.state_dict().items()}
+    new = {"embed.weight": src["model.embed_tokens.weight"], "norm.weight": src["model.norm.weight"]}
+    if model.head is not None:
+        new["head.weight"] = src["lm_head.weight"]
+    for i, name in enumerate(_layer_names(model.cfg)):
+        pre = f"model.layers.{i}."
+        for ours, theirs in _NORMS:
+            new[f"{name}.{ours}"] = src[pre + theirs]
+        new[f"{name}.attn.qkv.weight"] = torch.cat([src[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        new[f"{name}.attn.o.weight"] = src[pre + "self_attn.o_proj.weight"]
+        if pre + "self_attn.q_proj.bias" in src:
+            new[f"{name}.attn.qkv.bias"] = torch.cat([src[pre + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        if pre + "self_attn.o_proj.bias" in src:
+            new[f"{name}.attn.o.bias"] = src[pre + "self_attn.o_proj.bias"]
+        new[f"{name}.mlp.gate_up.weight"] = torch.cat([src[pre + "mlp.gate_proj.weight"],
+                                                       src[pre + "mlp.up_proj.weight"]])
+        new[f"{name}.mlp.down.weight"] = src[pre + "mlp.down_proj.weight"]
+    state = model.state_dict()  # loop extras (injection, gates, ...) keep their identity initialisation
+    for key, value in new.items():
+        if key not in state:
+            raise ValueError(f"the Llama has weight {key!r} (shape {tuple(value.shape)}) that this LoopLM lacks "
+                             "")
+        if state[key].shape != value.shape:
+            raise ValueError(f"{key}: LoopLM shape {tuple(state[key].shape)} != Llama shape "
+                             f"{tuple(value.shape)} (did an override change the architecture?)")
+        state[key] = value.to(device="cpu", dtype=state[key].dtype)
+    model.load_state_dict(state)
+    ref = src["model.embed_tokens.weight"]
+    return model.to(device=ref.device, dtype=ref.dtype)
+
+
+def to_hf(model: LoopLM):
+    """Return a LlamaForCausalLM with layers prelude + core + coda in order (the LoopLM at loops=1)."""
+    transformers = _transformers()
+    cfg = model.cfg
+    extras = [f"{k}={getattr(cfg, k)!r}" for k, v in _LOOP_DEFAULTS.items() if getattr(cfg, k) != v]
+    if extras:
+        raise ValueError(f"to_hf needs a plain LoopLM, but the config has {', '.join(extras)}; a "
+                         f"LlamaForCausalLM has no loop extras, sandwich norms or per-layer MLP widths "
+                         f"(needs {', '.join(f'{k}={v!r}' for k, v in _LOOP_DEFAULTS.items())})")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_mean,
+        num_hidden_layers=cfg.physical_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
+        rope_theta=float(cfg.rope_theta), rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=cfg.attn_bias, mlp_bias=False, hidden_act="silu")
+    llama = transformers.LlamaForCausalLM(hf_cfg)
+    src = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    new = {"model.embed_tokens.weight": src["embed.weight"], "model.norm.weight": src["norm.weight"],
+           "lm_head.weight": src["embed.weight"] if model.head is None else src["head.weight"]}
+    for i, name in enumerate(_layer_names(cfg)):
+        pre = f"model.layers.{i}."
+        for ours, theirs in _NORMS:
+            new[pre + theirs] = src[f"{name}.{ours}"]
+        for part in ("weight", "bias"):
+            if f"{name}.attn.qkv.{part}" in src:
+                q, k, v = src[f"{name}.attn.qkv.{part}"].split([H * hd, KV * hd, KV * hd])
+                new.update({pre + f"self_attn.{x}_proj.{part}": t for x, t in zip("qkv", (q, k, v))})
+        new[pre + "self_attn.o_proj.weight"] = src[f"{name}.attn.o.weight"]
+        if cfg.attn_bias:
+            new[pre + "self_attn.o_proj.bias"] = src[f"{name}.attn.o.bias"]
+        gate, up = src[f"{name}.mlp.gate_up.weight"].chunk(2)
+        new.update({pre + "mlp.gate_proj.weight": gate, pre + "mlp.up_proj.weight": up,
+                    pre + "mlp.down_proj.weight": src[f"{name}.mlp.down.weight"]})
+    state = llama.state_dict()
+    if cfg.tie_embeddings and "lm_head.weight" not in state:
+        del new["lm_head.weight"]
+    llama.load_state_dict({k: v.to(state[k].dtype) for k, v in new.items()}, strict=True)
+    ref = model.embed.weight
+    return llama.to(device=ref.device, dtype=ref.dtype).eval()
