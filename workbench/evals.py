@@ -1,0 +1,162 @@
+"""Loop sweeps: loss and accuracy at many loop counts (below, at and beyond K) from one trace pass.
+
+`loop_sweep(model, data, loops=[...])` takes either token batches (language modelling: next-token
+loss and accuracy per loop) or task examples (`workbench.data.tasks.Example`: teacher-forced answer
+loss and exact-match accuracy per loop, task and depth, grouped into knowledge and reasoning).
+A model whose loop t does not depend on the total loop count runs ONE `trace` to max(loops); a
+timestep-conditioned model (`model.horizon_dependent`) runs one pass per r, since its state after
+loop r differs between runs of different lengths.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import xarray as xr
+
+from .io import provenance
+from .models.looped import LoopLM
+
+
+def _check_loops(loops: Sequence[int]) -> list[int]:
+    rs = sorted(set(loops))
+    if not rs or any(not isinstance(r, (int, np.integer)) or r < 1 for r in rs):
+        raise ValueError(f"loops={list(loops)!r} is invalid: must be a non-empty list of integers >= 1")
+    return [int(r) for r in rs]
+
+
+def _logits_per_loop(model: LoopLM, tokens: torch.Tensor, loops: list[int]):
+    """Yield (r, logits) for every r in loops, from one trace when the model allows it."""
+    if model.horizon_dependent:
+        for r in loops:
+            yield r, model(tokens, loops=r).logits
+    else:
+        trace = model.trace(tokens, loops=max(loops))
+        for r in loops:
+            yield r, trace.logits(r)
+
+
+def _device(model: LoopLM, device) -> torch.device:
+    return torch.device(device) if device is not None else next(model.parameters()).device
+
+
+@torch.no_grad()
+def sweep_tokens(model: LoopLM, batches: Iterable[torch.Tensor], loops: Sequence[int], device=None,
+                 progress: bool = True) -> xr.Dataset:
+    """Return a Dataset (dim `loop`) of next-token `loss` and `accuracy` over packed [B, T+1] batches."""
+    from tqdm.auto import tqdm
+
+    rs = _check_loops(loops)
+    dev = _device(model, device)
+    loss_sum, hit_sum, n_tok = defaultdict(float), defaultdict(float), 0
+    for batch in tqdm(batches, desc="loop sweep", disable=not progress):
+        batch = torch.as_tensor(batch).to(dev)
+        if batch.dim() != 2 or batch.shape[1] < 2:
+            raise ValueError(f"batch shape {tuple(batch.shape)} is invalid: must be [B, T+1] with T >= 1")
+        x, y = batch[:, :-1], batch[:, 1:]
+        for r, logits in _logits_per_loop(model, x, rs):
+            loss_sum[r] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
+            hit_sum[r] += (logits.argmax(-1) == y).sum().item()
+        n_tok += y.numel()
+    if n_tok == 0:
+        raise ValueError("data is empty: no batches to evaluate")
+    return xr.Dataset(
+        {"loss": ("loop", [loss_sum[r] / n_tok for r in rs]),
+         "accuracy": ("loop", [hit_sum[r] / n_tok for r in rs])},
+        coords={"loop": rs}, attrs=provenance(model.cfg, tokens=n_tok, training_loops=model.cfg.loops))
+
+
+@torch.no_grad()
+def sweep_examples(model: LoopLM, examples: Sequence[Any], tokenizer, loops: Sequence[int],
+                   batch_size: int = 16, device=None, progress: bool = True) -> xr.Dataset:
+    """Return a Dataset (dims `loop`, `task`, `depth`) of answer `loss`, exact-match `accuracy` and `count`.
+
+    Each example is scored teacher-forced: the answer counts as right at loop r when the argmax at
+    every answer position equals the answer token. `group` (knowledge or reasoning) labels each task,
+    and `group_accuracy` (dims `loop`, `group`) averages over examples.
+    """
+    from tqdm.auto import tqdm
+
+    rs = _check_loops(loops)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
+    if not examples:
+        raise ValueError("examples is empty: nothing to evaluate")
+    dev = _device(model, device)
+    encoded = []
+    for ex in examples:
+        p, a = tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer)
+        if not p or not a:
+            raise ValueError(f"example {ex.prompt!r} -> {ex.answer!r} encodes to an empty prompt or answer")
+        if len(p) + len(a) - 1 > model.cfg.max_seq_len:
+            raise ValueError(f"example of {len(p) + len(a)} tokens exceeds max_seq_len={model.cfg.max_seq_len}")
+        encoded.append((p, a))
+    tasks = sorted({ex.task for ex in examples})
+    depths = sorted({int(ex.depth) for ex in examples})
+    groups = {ex.task: ex.group for ex in examples}
+    ti, di = {t: i for i, t in enumerate(tasks)}, {d: i for i, d in enumerate(depths)}
+    loss = np.zeros((len(rs), len(tasks), len(depths)))
+    hits = np.zeros_like(loss)
+    count = np.zeros((len(tasks), len(depths)))
+    for start in tqdm(range(0, len(examples), batch_size), desc="loop sweep", disable=not progress):
+        chunk = list(range(start, min(start + batch_size, len(examples))))
+        seqs = [encoded[i][0] + encoded[i][1] for i in chunk]
+        T = max(len(s) for s in seqs) - 1
+        # right padding never changes earlier positions of a causal model
+        x = torch.zeros(len(chunk), T, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            x[b, :len(s) - 1] = torch.tensor(s[:-1])
+        spans = [(len(encoded[i][0]) - 1, encoded[i][1]) for i in chunk]
+        for r, logits in _logits_per_loop(model, x.to(dev), rs):
+            logits = logits.float().cpu()
+            for b, (i, (s0, ans)) in enumerate(zip(chunk, spans)):
+                lg = logits[b, s0:s0 + len(ans)]
+                tgt = torch.tensor(ans)
+                ex = examples[i]
+                k = (rs.index(r), ti[ex.task], di[int(ex.depth)])
+                loss[k] += F.cross_entropy(lg, tgt).item()
+                hits[k] += float(bool((lg.argmax(-1) == tgt).all()))
+        for i in chunk:
+            count[ti[examples[i].task], di[int(examples[i].depth)]] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_loss, acc = loss / count, hits / count  # NaN where a (task, depth) cell has no examples
+    group_names = sorted(set(groups.values()))
+    g_acc = np.array([[hits[j, [ti[t] for t in tasks if groups[t] == g]].sum()
+                       / count[[ti[t] for t in tasks if groups[t] == g]].sum() for g in group_names]
+                      for j in range(len(rs))])
+    return xr.Dataset(
+        {"loss": (("loop", "task", "depth"), mean_loss),
+         "accuracy": (("loop", "task", "depth"), acc),
+         "count": (("task", "depth"), count),
+         "group_accuracy": (("loop", "group"), g_acc)},
+        coords={"loop": rs, "task": tasks, "depth": depths, "group": group_names,
+                "task_group": ("task", [groups[t] for t in tasks])},
+        attrs=provenance(model.cfg, examples=len(examples), training_loops=model.cfg.loops))
+
+
+def loop_sweep(model: LoopLM, data: Any, loops: Sequence[int], tokenizer=None, **kw: Any) -> xr.Dataset:
+    """Return a loop-sweep Dataset with `loss` and `accuracy` for token batches or task examples.
+
+    `data` is a LongTensor [N, T+1] (rows are sequences), an iterable of such batches, or a list of
+    task examples (then `tokenizer` is required).
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        if isinstance(data, (list, tuple)) and data and hasattr(data[0], "prompt"):
+            if tokenizer is None:
+                raise ValueError("tokenizer=None is invalid for task examples: pass the model's tokenizer")
+            return sweep_examples(model, data, tokenizer, loops, **kw)
+        if isinstance(data, torch.Tensor):
+            if data.dim() != 2:
+                raise ValueError(f"data of shape {tuple(data.shape)} is invalid: must be [N, T+1]")
+            bs = kw.pop("batch_size", 8)
+            data = data.split(bs)
+        return sweep_tokens(model, data, loops, **kw)
+    finally:
+        model.train(was_training)
