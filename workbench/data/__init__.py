@@ -1,0 +1,1 @@
+"""Text sources, tokenizers, batches and synthetic tasks."""
