@@ -95,3 +95,21 @@ def test_bad_input_is_named():
         loop_sweep(model, [Ex("a", " b", 0, "t", "reasoning")], [1], progress=False)
     with pytest.raises(ValueError, match="max_seq_len"):
         loop_sweep(model, [Ex("a" * 80, " b", 0, "t", "reasoning")], [1], tokenizer=CharTokenizer(), progress=False)
+
+
+def test_sweep_over_generated_tasks_with_a_trained_tokenizer():
+    from workbench.data.corpus import train_tokenizer
+    from workbench.data.tasks import make_task, recall_facts
+
+    exs = (make_task("iterated", 6, depth=2, seed=0) + make_task("iterated", 4, depth=5, seed=0)
+           + make_task("deduction", 4, depth=1, seed=0) + make_task("recall", 5, depth=0, seed=0))
+    tok = train_tokenizer(recall_facts(20, seed=0) + [e.text for e in exs], vocab_size=300)
+    model = LoopLM(LoopConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, prelude=1, core=1, coda=1,
+                              loops=2, max_seq_len=512), seed=0)
+    ds = loop_sweep(model, exs, [1, 3], tokenizer=tok, progress=False)
+    assert set(ds.task.values) == {"iterated", "deduction", "recall"}
+    assert ds["count"].sel(task="iterated", depth=5).item() == 4
+    assert ds["count"].sum().item() == len(exs)
+    assert set(ds.group.values) == {"knowledge", "reasoning"}
+    assert ds.task_group.sel(task="recall").item() == "knowledge"
+    assert ds.accuracy.dims == ("loop", "task", "depth")
