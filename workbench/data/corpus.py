@@ -51,6 +51,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
+from ..io import atomic_write_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -80,22 +81,6 @@ def _cache(cache_dir) -> Path:
 
 def _sha256(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write data to path via a temporary file in the same folder and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _read_json(path: Path) -> dict | None:
@@ -207,7 +192,7 @@ class Corpus:
                 self._summary = self._scan()
                 if path is not None and not racy:
                     try:
-                        _atomic_write(path, json.dumps({"source": self.name, **self._summary}).encode())
+                        atomic_write_bytes(path, json.dumps({"source": self.name, **self._summary}).encode())
                     except OSError:  # a read-only cache only costs speed
                         pass
         return self._summary
@@ -493,7 +478,7 @@ class Tokenizer:
     def save(self, path: str | os.PathLike) -> Path:
         """Return the path after writing the tokenizer there as tokenizers JSON (atomically)."""
         path = Path(path)
-        _atomic_write(path, self.to_json().encode())
+        atomic_write_bytes(path, self.to_json().encode())
         return path
 
     @classmethod
@@ -718,7 +703,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir=None, progre
             "n_val_tokens": n_val, "split": split, "val_fraction": float(val_fraction), "eos_id": eos,
             "vocab_size": tokenizer.vocab_size, "tokenizer_fingerprint": tokenizer.fingerprint,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **corpus.provenance()}
-    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
     return _open_tokens(bin_path, meta)
 
 
