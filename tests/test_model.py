@@ -348,3 +348,36 @@ def test_loops_beyond_training_count_extrapolate():
         far = model(x, loops=12).logits
         torch.testing.assert_close(far, model.readout(ref_states(model, x, 12)[12]), atol=2e-5, rtol=1e-4)
         assert not torch.allclose(far, model(x, loops=3).logits)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_head_loss_equals_full_logits_loss(tied):
+    from workbench.models.layers import linear_cross_entropy
+
+    model = perturb(LoopLM(cfg(tie_embeddings=tied)))
+    x = tokens(B=3, T=11)
+    y = x.roll(-1, dims=1)
+    y[0, :4] = -100  # ignored positions
+    ref = model(x, targets=y)
+    ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+    out = model(x, targets=y, return_logits=False)
+    assert out.logits is None
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    torch.testing.assert_close(out.loss, ref.loss)
+    for (name, _), g, gr in zip(model.named_parameters(), grads, ref_grads):
+        torch.testing.assert_close(g, gr, atol=1e-7, rtol=1e-4, msg=name)
+    # chunk boundaries that do not divide the token count, with and without a graph
+    h = torch.randn(33, D, requires_grad=True)
+    W = torch.randn(V, D, requires_grad=True)
+    t = torch.randint(0, V, (33,))
+    t[5] = -100
+    full = F.cross_entropy(h @ W.T, t, ignore_index=-100)
+    rh, rw = torch.autograd.grad(2 * full, (h, W))
+    for chunk in (1, 7, 64):
+        got = linear_cross_entropy(h, W, t, chunk=chunk)
+        torch.testing.assert_close(got, full)
+        gh, gw = torch.autograd.grad(2 * got, (h, W))
+        torch.testing.assert_close(gh, rh)
+        torch.testing.assert_close(gw, rw)
+        with torch.no_grad():
+            torch.testing.assert_close(linear_cross_entropy(h, W, t, chunk=chunk), full)

@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return x / rms(x) * weight in x's dtype."""
+        if x.dtype == torch.float32:  # one fused kernel, same numbers
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * y.to(x.dtype)
 
@@ -79,7 +81,11 @@ class Attention(nn.Module):
         """Return the attention output [B, T, d] for input x [B, T, d]."""
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).view(B, T, H + 2 * KV, hd).transpose(1, 2).split([H, KV, KV], dim=1)
+        # Three matmuls on row slices of the fused weight rather than one matmul split afterwards: the
+        # split's backward concatenates the activation gradients, a copy per layer occurrence per step.
+        W, b = self.qkv.weight, self.qkv.bias
+        q, k, v = (F.linear(x, W[i:j], None if b is None else b[i:j]).view(B, T, -1, hd).transpose(1, 2)
+                   for i, j in ((0, H * hd), (H * hd, (H + KV) * hd), ((H + KV) * hd, (H + 2 * KV) * hd)))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if KV != H:
@@ -101,8 +107,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the MLP output [B, T, d]."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        W, f = self.gate_up.weight, self.d_ff
+        return self.down(F.silu(F.linear(x, W[:f])) * F.linear(x, W[f:]))  # row slices: see Attention
 
 
 class Block(nn.Module):
@@ -139,3 +145,48 @@ class Block(nn.Module):
         """Return the block output for x [B, T, d]; mods gate/shift each branch (timestep conditioning)."""
         x = x + self._branch(x, self.attn_norm, lambda h: self.attn(h, rope), self.attn_post, attn_mod)
         return x + self._branch(x, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of (x @ W^T) against targets, chunk by chunk, gradients computed on the way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        n = (targets != -100).sum().clamp(min=1)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        gx, gw = torch.empty_like(x), torch.zeros_like(weight)
+        for s in range(0, x.shape[0], chunk):
+            xs, ts = x[s:s + chunk], targets[s:s + chunk]
+            logits = (xs @ weight.T).float()
+            keep = (ts != -100).unsqueeze(1)
+            t = ts.clamp(min=0).unsqueeze(1)
+            lse = logits.logsumexp(-1, keepdim=True)
+            loss += ((lse - logits.gather(1, t)) * keep).sum()
+            # d loss / d logits = softmax - onehot, on kept rows; reuse the logits buffer
+            p = logits.sub_(lse).exp_().scatter_add_(1, t, -keep.float()).mul_(keep).to(x.dtype)
+            gx[s:s + chunk] = p @ weight
+            gw.addmm_(p.T, xs)
+        ctx.save_for_backward(gx / n, gw / n)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx, gw = ctx.saved_tensors
+        return gx * grad, gw * grad, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int = 1024) -> torch.Tensor:
+    """Return mean cross-entropy of x @ weight.T against targets (-100 ignored) without [N, V] logits.
+
+    The gradients are formed chunk by chunk during the forward pass, so training never holds the
+    full logits or their gradient; without a graph only the loss is computed.
+    """
+    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(x, weight, targets, chunk)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for s in range(0, x.shape[0], chunk):
+        logits = (x[s:s + chunk] @ weight.T).float()
+        total += F.cross_entropy(logits, targets[s:s + chunk], ignore_index=-100, reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)

@@ -13,7 +13,7 @@ from torch import nn
 from ..config import LoopConfig
 from .conditioning import HistoryInjection, InitialInjection, TimestepConditioning, timestep_features
 from .hyper import HyperConnection
-from .layers import Block, RMSNorm, Rotary
+from .layers import Block, RMSNorm, Rotary, linear_cross_entropy
 from .taper import mlp_widths
 
 
@@ -21,7 +21,7 @@ from .taper import mlp_widths
 class LoopOutput:
     """What a forward pass returns: logits [B, T, V], the mean loss if targets were given, the final state."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None
     state: torch.Tensor
 
@@ -165,14 +165,22 @@ class LoopLM(nn.Module):
             x = blk(x, rope)
         return x
 
-    def readout(self, state: torch.Tensor) -> torch.Tensor:
-        """Return logits [B, T, V]: coda, final norm and head applied to a loop state [B, T, d]."""
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """Return the LM head's weight [V, d] (the embedding when tied)."""
+        return self.head.weight if self.head is not None else self.embed.weight
+
+    def features(self, state: torch.Tensor) -> torch.Tensor:
+        """Return the final-normed coda output [B, T, d] for a loop state: what the LM head reads."""
         rope = self._rope(state)
         x = state
         for blk in self.coda:
             x = blk(x, rope)
-        x = self.norm(x)
-        return self.head(x) if self.head is not None else F.linear(x, self.embed.weight)
+        return self.norm(x)
+
+    def readout(self, state: torch.Tensor) -> torch.Tensor:
+        """Return logits [B, T, V]: coda, final norm and head applied to a loop state [B, T, d]."""
+        return F.linear(self.features(state), self.head_weight)
 
     def step(self, h: torch.Tensor, h0: torch.Tensor, loop: int, rope, past=(), psi=None,
              gates=None, mods=None) -> torch.Tensor:
@@ -241,14 +249,20 @@ class LoopLM(nn.Module):
         return self._reduce(h), states
 
     def forward(self, tokens: torch.Tensor, loops: int | None = None, targets: torch.Tensor | None = None,
-                *, horizon: int | None = None, backward_loops: int | None = None) -> LoopOutput:
+                *, horizon: int | None = None, backward_loops: int | None = None,
+                return_logits: bool = True) -> LoopOutput:
         """Return LoopOutput(logits, loss, state) after `loops` core passes (default: the training K).
 
         `horizon` is the T seen by timestep conditioning (default: loops); `backward_loops` truncates
-        backprop to the last k loops.
+        backprop to the last k loops. With targets and `return_logits=False` (what a trainer wants) the
+        loss comes from a chunked head + cross-entropy that never materialises the logits; `.logits`
+        is then None.
         """
         h0 = self.embed_prelude(tokens)
         state, _ = self.run_loops(h0, loops if loops is not None else self.cfg.loops, horizon, backward_loops)
+        if targets is not None and not return_logits:
+            loss = linear_cross_entropy(self.features(state), self.head_weight, targets)
+            return LoopOutput(None, loss, state)
         logits = self.readout(state)
         loss = lm_loss(logits, targets) if targets is not None else None
         return LoopOutput(logits, loss, state)
