@@ -40,7 +40,7 @@ def demo(steps: int = 200, seed: int = 0, max_loops: int = 8, progress: bool = T
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = batch(train)
-        loss = model(x, targets=y).loss
+        loss = model(x, targets=y, return_logits=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
