@@ -51,6 +51,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
+
 from ..io import atomic_write_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
