@@ -266,13 +266,14 @@ def test_truncated_backprop_equals_explicit_detach():
 def test_gradients_reach_every_parameter(variant):
     model = LoopLM(cfg(**variant))
     x = tokens()
-    model(x, loops=4, targets=x).loss.backward()
+    # 5 loops: the largest history window here (w = 3) reaches its last lag at loop 5
+    model(x, loops=5, targets=x).loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"no gradient path to {missing}"
     # off the identity init (where s * tanh(0) blocks s's gradient) every parameter gets a real gradient
     model.zero_grad()
     perturb(model)
-    model(x, loops=4, targets=x).loss.backward()
+    model(x, loops=5, targets=x).loss.backward()
     dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     assert not dead, f"zero gradient for {dead}"
 

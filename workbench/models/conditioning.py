@@ -64,7 +64,8 @@ class HistoryInjection(nn.Module):
         shape = {"scalar": (window,), "channel": (window, d), "dense": (window, d, d)}
         if op not in shape:
             raise ValueError(f"history_op={op!r} is invalid: must be one of scalar, channel, dense")
-        self.lags = nn.Parameter(torch.zeros(shape[op]))
+        # one tensor per lag, so a dense B_j is a plain 2-D matrix (what Muon takes)
+        self.lags = nn.ParameterList(nn.Parameter(torch.zeros(shape[op][1:])) for _ in range(window))
 
     def forward(self, h: torch.Tensor, past: Sequence[torch.Tensor]) -> torch.Tensor:
         """Return h + sum_{j=1..len(past)} B_j (past[j-1] - h); past[0] is h_{t-1}, most recent first."""
