@@ -1,0 +1,576 @@
+"""Trainer: full or truncated BPTT through the loops, Muon + AdamW, atomic checkpoints, exact resume, DDP.
+
+Truncation (`backward_loops=k < r`): the first r-k loops run under `torch.no_grad` (no graph, so
+memory really falls) and the state entering loop r-k+1 is detached. The prelude still receives
+gradient through h0 wherever an initial-state or stable injection feeds h0 into the last k loops;
+without injection, a truncated run trains the prelude not at all (its output reaches the loss only
+through the detached state).
+
+Loop counts are fixed, uniform in [loop_min, loop_max], or Huginn's Poisson-lognormal
+(tau ~ N(log mean - sigma^2/2, sigma), r = 1 + Poisson(e^tau)), drawn from a generator seeded by
+(seed, step), so a resumed run replays the same loop counts. With sampled r, k = min(k, r).
+
+A checkpoint is a folder `ckpt-STEP/` holding `model.safetensors`, `optim.safetensors` and
+`state.json` (step, sampler position, RNG state, configs, metrics so far); `latest.json` names the
+newest complete one and is replaced atomically only after the folder is complete, so a run killed
+mid-write resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import xarray as xr
+from safetensors.torch import load_file, save_file
+
+from .config import LoopConfig
+from .io import atomic_write_bytes, provenance
+from .models.looped import LoopLM
+
+SCHEDULES = ("cosine", "wsd", "constant")
+LOOP_SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
+_MUON_SUFFIXES = (".attn.qkv.weight", ".attn.o.weight", ".mlp.gate_up.weight", ".mlp.down.weight")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: budget, batch, loop sampling, backprop depth, optimiser, schedule, checkpoints."""
+
+    steps: int | None = None  # one of steps / tokens / flops / chinchilla sets the budget
+    tokens: int | None = None
+    flops: float | None = None
+    chinchilla: bool = False  # 20 tokens per non-embedding parameter
+    batch_size: int = 16
+    seq_len: int = 128
+    loop_sampler: str = "fixed"
+    loops: int | None = None  # fixed r (default: the model's K)
+    loop_min: int = 1
+    loop_max: int | None = None
+    loop_sigma: float = 0.5
+    backward_loops: int | None = None  # k (default: full BPTT)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    schedule: str = "cosine"
+    decay_frac: float = 0.2  # share of steps in the final decay of warmup-stable-decay
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    muon: bool = True
+    eval_every: int = 0
+    eval_loops: tuple[int, ...] | None = None  # default: below, at and beyond K
+    eval_batches: int = 4
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 1
+    seed: int = 0
+    device: str | None = None
+    bf16: bool | None = None  # default: on for CUDA, off on CPU
+    compile: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+        for name in ("batch_size", "seq_len", "loop_min", "eval_batches", "keep_checkpoints"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "must be an integer >= 1")
+        for name in ("steps", "tokens", "loops", "loop_max", "backward_loops"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                bad(name, "must be None or an integer >= 1")
+        for name in ("warmup", "eval_every", "checkpoint_every", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, "must be an integer >= 0")
+        if self.schedule not in SCHEDULES:
+            bad("schedule", f"must be one of {', '.join(SCHEDULES)}")
+        if self.loop_sampler not in LOOP_SAMPLERS:
+            bad("loop_sampler", f"must be one of {', '.join(LOOP_SAMPLERS)}")
+        if sum(x is not None and x is not False for x in (self.steps, self.tokens, self.flops, self.chinchilla or None)) != 1:
+            raise ValueError("TrainConfig needs exactly one budget: steps, tokens, flops or chinchilla=True "
+                             f"(got steps={self.steps}, tokens={self.tokens}, flops={self.flops}, "
+                             f"chinchilla={self.chinchilla})")
+        if self.flops is not None and not self.flops > 0:
+            bad("flops", "must be > 0")
+        if not self.lr > 0:
+            bad("lr", "must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad("min_lr_ratio", "must be in [0, 1]")
+        if not 0 < self.decay_frac <= 1:
+            bad("decay_frac", "must be in (0, 1]")
+        if self.loop_max is not None and self.loop_max < self.loop_min:
+            bad("loop_max", f"must be >= loop_min={self.loop_min}")
+        if self.loop_sampler == "fixed" and self.loops is not None and self.backward_loops is not None \
+                and self.backward_loops > self.loops:
+            bad("backward_loops", f"must be <= loops={self.loops} (k <= r)")
+
+    def to_json(self) -> str:
+        """Return the config as a JSON string."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        """Return the config encoded by `to_json`."""
+        d = json.loads(text)
+        if d.get("eval_loops") is not None:
+            d["eval_loops"] = tuple(d["eval_loops"])
+        return cls(**d)
+
+
+# ---- pieces a trainer is made of (each usable on its own) -------------------------------------------
+def param_groups(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
+    """Return (muon, adamw) lists of (name, parameter): Muon gets exactly the 2-D hidden matrices.
+
+    Hidden matrices are the blocks' attention and MLP weights and the dense injection / history lag
+    matrices; embeddings, head, norms, biases, gates, scalars and hyper-connection mixers go to AdamW.
+    """
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        hidden = (name.endswith(_MUON_SUFFIXES) or name == "inject.weight"
+                  or (name.startswith("history.lags.") and p.ndim == 2))
+        (muon if hidden and p.ndim == 2 else adamw).append((name, p))
+    return muon, adamw
+
+
+def make_optimizers(model: torch.nn.Module, tc: TrainConfig) -> list[torch.optim.Optimizer]:
+    """Return [Muon, AdamW] (or [AdamW] with muon=False); Muon scales its update to AdamW's RMS so one lr fits both."""
+    muon, adamw = param_groups(model)
+    opts = []
+    if tc.muon and muon:
+        opts.append(torch.optim.Muon([p for _, p in muon], lr=tc.lr, weight_decay=tc.weight_decay,
+                                     adjust_lr_fn="match_rms_adamw"))
+    else:
+        adamw = muon + adamw
+    opts.append(torch.optim.AdamW([p for _, p in adamw], lr=tc.lr, weight_decay=tc.weight_decay,
+                                  betas=(0.9, 0.95)))
+    return opts
+
+
+def lr_at(step: int, total: int, tc: TrainConfig) -> float:
+    """Return the learning rate at 0-based `step` of `total`: linear warmup, then cosine / WSD / constant."""
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    lo = tc.lr * tc.min_lr_ratio
+    if tc.schedule == "constant":
+        return tc.lr
+    if tc.schedule == "cosine":
+        span = max(1, total - tc.warmup)
+        progress = min(1.0, (step - tc.warmup) / span)
+        return lo + (tc.lr - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = total - max(1, round(tc.decay_frac * total))
+    if step < decay_start:
+        return tc.lr
+    return tc.lr + (lo - tc.lr) * (step - decay_start + 1) / (total - decay_start)
+
+
+def sample_loops(step: int, tc: TrainConfig, K: int) -> tuple[int, int]:
+    """Return (r, k) for a step: r from the loop sampler seeded by (seed, step), k = min(backward_loops, r)."""
+    rng = np.random.default_rng([tc.seed, step, 7])
+    if tc.loop_sampler == "fixed":
+        r = tc.loops or K
+    elif tc.loop_sampler == "uniform":
+        r = int(rng.integers(tc.loop_min, (tc.loop_max or 2 * K) + 1))
+    else:
+        tau = rng.normal(math.log(tc.loops or K) - tc.loop_sigma ** 2 / 2, tc.loop_sigma)
+        r = 1 + int(rng.poisson(math.exp(tau)))
+        if tc.loop_max is not None:
+            r = min(r, tc.loop_max)
+    k = r if tc.backward_loops is None else min(tc.backward_loops, r)
+    return r, k
+
+
+def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                  backward_loops: int | None = None) -> torch.Tensor:
+    """Return the per-loop supervised loss: cross-entropy of every loop's readout against labels[:, t].
+
+    labels is [B, loops, T] (-100 where a loop carries no label); the loss averages the per-loop mean
+    cross-entropies over the loops that carry a label, weighted by `weights` [loops] if given (set
+    weights to one-hot on the last loop for final-answer-only grading).
+    """
+    if labels.dim() != 3 or labels.shape[0] != tokens.shape[0] or labels.shape[2] != tokens.shape[1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} is invalid: must be [batch, loops, seq] = "
+                         f"[{tokens.shape[0]}, loops, {tokens.shape[1]}]")
+    r = labels.shape[1]
+    w = torch.ones(r) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
+    if w.shape != (r,):
+        raise ValueError(f"weights shape {tuple(w.shape)} is invalid: must be [{r}] (one per loop)")
+    h0 = model.embed_prelude(tokens)
+    _, states = model.run_loops(h0, r, backward_loops=backward_loops, keep_states=True)
+    total, norm = tokens.new_zeros((), dtype=torch.float32), 0.0
+    for t in range(1, r + 1):
+        lab = labels[:, t - 1]
+        if w[t - 1] == 0 or not (lab != -100).any():
+            continue
+        logits = model.readout(states[t])
+        total = total + w[t - 1] * F.cross_entropy(logits.flatten(0, 1).float(), lab.flatten(), ignore_index=-100)
+        norm += float(w[t - 1])
+    if norm == 0:
+        raise ValueError("labels carry no label at any loop with non-zero weight")
+    return total / norm
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------
+def _optim_state(opts: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list]:
+    tensors, meta = {}, []
+    for i, opt in enumerate(opts):
+        sd = opt.state_dict()
+        state_meta = {}
+        for pid, st in sd["state"].items():
+            entry = {}
+            for key, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"{i}.{pid}.{key}"] = v.detach().cpu().contiguous()
+                    entry[key] = "tensor"
+                else:
+                    entry[key] = v
+            state_meta[str(pid)] = entry
+        meta.append({"state": state_meta, "param_groups": sd["param_groups"]})
+    return tensors, meta
+
+
+def _load_optim_state(opts, tensors, meta) -> None:
+    for i, (opt, m) in enumerate(zip(opts, meta)):
+        state = {}
+        for pid, entry in m["state"].items():
+            state[int(pid)] = {k: (tensors[f"{i}.{pid}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
+        opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
+
+
+def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict, keep: int = 1) -> Path:
+    """Return the folder of a new complete checkpoint, written then published atomically via latest.json."""
+    out = Path(out_dir)
+    step = int(state["step"])
+    final = out / f"ckpt-{step:08d}"
+    tmp = out / f".ckpt-{step:08d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"))
+    tensors, meta = _optim_state(opts)
+    save_file(tensors, str(tmp / "optim.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({**state, "optim": meta}))
+    for f in tmp.iterdir():  # make the bytes durable before the folder becomes visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    atomic_write_bytes(out / "latest.json", json.dumps({"checkpoint": final.name, "step": step}).encode())
+    old = sorted(p for p in out.glob("ckpt-*") if p.is_dir() and p != final)
+    for p in old[:max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """Return the newest complete checkpoint folder under out_dir, or None."""
+    pointer = Path(out_dir) / "latest.json"
+    if not pointer.exists():
+        return None
+    path = Path(out_dir) / json.loads(pointer.read_text())["checkpoint"]
+    return path if (path / "state.json").exists() else None
+
+
+def load_model(path: str | os.PathLike, device=None) -> LoopLM:
+    """Return the LoopLM saved in a checkpoint folder (or a run folder's latest checkpoint)."""
+    path = Path(path)
+    if (path / "latest.json").exists():
+        path = latest_checkpoint(path)
+    if path is None or not (path / "state.json").exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    state = json.loads((path / "state.json").read_text())
+    model = LoopLM(LoopConfig.from_json(state["model_config"]))
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model.to(device or "cpu")
+
+
+# ---- the trainer -----------------------------------------------------------------------------------------
+class Trainer:
+    """Trains a LoopLM on token batches; `run()` returns the per-step metrics as an xarray Dataset."""
+
+    def __init__(self, cfg: LoopConfig, tc: TrainConfig, train_data, val_data=None, out_dir=None,
+                 resume: bool = False, model: LoopLM | None = None):
+        from .data.corpus import BatchSampler
+
+        self.cfg, self.tc = cfg, tc
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if self.dist else 0
+        self.world = torch.distributed.get_world_size() if self.dist else 1
+        self.device = torch.device(tc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.dist and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if tc.loop_sampler == "fixed" and tc.backward_loops is not None and tc.backward_loops > (tc.loops or cfg.loops):
+            raise ValueError(f"TrainConfig.backward_loops={tc.backward_loops} is invalid: must be <= loops="
+                             f"{tc.loops or cfg.loops} (k <= r)")
+        self.model = (model if model is not None else LoopLM(cfg, seed=tc.seed)).to(self.device)
+        if self.model.cfg != cfg:
+            raise ValueError("model.cfg does not match cfg")
+        # the sampler draws the GLOBAL batch; each rank trains on its slice, so the run is the same at any world size
+        if isinstance(train_data, np.ndarray) or torch.is_tensor(train_data):
+            train_data = BatchSampler(np.asarray(train_data), tc.batch_size * self.world, tc.seq_len, seed=tc.seed)
+        self.sampler = train_data
+        self.val_batches = None
+        if val_data is not None:
+            vs = BatchSampler(np.asarray(val_data), min(tc.batch_size, 8), tc.seq_len, seed=tc.seed + 1)
+            self.val_batches = [next(vs) for _ in range(tc.eval_batches)]
+        self.total_steps = self._budget_steps()
+        self.opts = make_optimizers(self.model, tc)
+        self.step = 0
+        self.metrics: dict[str, list] = {k: [] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "loops",
+                                                         "backward_loops")}
+        self.evals: list[xr.Dataset] = []
+        if self.out_dir is not None and self.rank == 0:
+            self._check_writable()
+        if resume:
+            self._resume()
+        self.train_model = self.model
+        if tc.compile:
+            self.train_model = torch.compile(self.model)
+        if self.dist:
+            self.train_model = torch.nn.parallel.DistributedDataParallel(
+                self.train_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # budget -------------------------------------------------------------------------------------------
+    def _budget_steps(self) -> int:
+        tc = self.tc
+        tokens_per_step = tc.batch_size * tc.seq_len * self.world
+        if tc.steps is not None:
+            return tc.steps
+        if tc.tokens is not None:
+            tokens = tc.tokens
+        elif tc.flops is not None:
+            r = tc.loops or self.cfg.loops
+            if tc.loop_sampler != "fixed":  # the sampler's mean loop count, estimated from its first 1000 draws
+                r = float(np.mean([sample_loops(s, tc, self.cfg.loops)[0] for s in range(1000)]))
+            k = r if tc.backward_loops is None else min(tc.backward_loops, r)
+            fpt = self.model.flops_per_token(max(1, round(r)), max(1, min(round(k), round(r))), seq_len=tc.seq_len)
+            tokens = tc.flops / fpt
+        else:
+            pc = self.model.param_counts()
+            tokens = 20 * (pc["once"] + pc["rec"])
+        steps = int(tokens // tokens_per_step)
+        if steps < 1:
+            raise ValueError(f"the budget gives {tokens:.3g} tokens, fewer than one step of {tokens_per_step} "
+                             f"(batch_size x seq_len x world): zero steps to train")
+        return steps
+
+    def _check_writable(self) -> None:
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.out_dir / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"out_dir={str(self.out_dir)!r} is not writable: {e}") from e
+
+    # checkpoints ----------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {"step": self.step, "model_config": self.cfg.to_json(), "train_config": self.tc.to_json(),
+                "sampler": self.sampler.state_dict(), "metrics": self.metrics,
+                "torch_rng": torch.get_rng_state().tolist(),
+                "evals": [ds.to_dict() for ds in self.evals]}
+
+    def save(self) -> Path | None:
+        """Return the checkpoint folder written now (rank 0 only; None elsewhere or without out_dir)."""
+        if self.out_dir is None or self.rank != 0:
+            return None
+        return save_checkpoint(self.out_dir, self.model, self.opts, self._state(), self.tc.keep_checkpoints)
+
+    def _resume(self) -> None:
+        if self.out_dir is None:
+            raise ValueError("resume=True needs an out_dir to resume from")
+        path = latest_checkpoint(self.out_dir)
+        if path is None:
+            return  # nothing yet: a fresh start
+        state = json.loads((path / "state.json").read_text())
+        saved = LoopConfig.from_json(state["model_config"])
+        if saved != self.cfg:
+            diff = {k: (v, getattr(self.cfg, k)) for k, v in saved.to_dict().items() if getattr(self.cfg, k) != v}
+            raise ValueError(f"checkpoint {path} was written for another model config; differing fields "
+                             f"(checkpoint, now): {diff}")
+        self.model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
+        _load_optim_state(self.opts, load_file(str(path / "optim.safetensors"), device=str(self.device)),
+                          state["optim"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.step = int(state["step"])
+        self.metrics = {k: list(v) for k, v in state["metrics"].items()}
+        self.evals = [xr.Dataset.from_dict(d) for d in state.get("evals", [])]
+
+    # one step ---------------------------------------------------------------------------------------------
+    def _loss(self, batch, r: int, k: int) -> torch.Tensor:
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                    if (self.tc.bf16 if self.tc.bf16 is not None else self.device.type == "cuda") else nullcontext())
+        with autocast:
+            if isinstance(batch, dict):  # per-loop supervision
+                tokens = batch["tokens"].to(self.device)
+                return per_loop_loss(self.model, tokens, batch["labels"].to(self.device), batch.get("weights"),
+                                     backward_loops=min(k, batch["labels"].shape[1]))
+            batch = batch.to(self.device)
+            if self.world > 1:
+                b = batch.shape[0] // self.world
+                batch = batch[self.rank * b:(self.rank + 1) * b]
+            x, y = batch[:, :-1], batch[:, 1:]
+            return self.train_model(x, loops=r, targets=y, backward_loops=k, return_logits=False).loss
+
+    def train_step(self) -> float:
+        """Return the loss of one optimisation step (the step counter advances)."""
+        r, k = sample_loops(self.step, self.tc, self.cfg.loops)
+        lr = lr_at(self.step, self.total_steps, self.tc)
+        for opt in self.opts:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        t0 = time.perf_counter()
+        batch = next(self.sampler)
+        loss = self._loss(batch, r, k)
+        if not torch.isfinite(loss):
+            last = latest_checkpoint(self.out_dir) if self.out_dir is not None else None
+            raise FloatingPointError(f"loss is {loss.item()} at step {self.step} (loops={r}, backward_loops={k}); "
+                                     f"stopped without saving; last good checkpoint: {last}")
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                            self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"))
+        for opt in self.opts:
+            opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        n_tok = (batch["tokens"].numel() if isinstance(batch, dict) else batch[:, :-1].numel())
+        value = float(loss.item())
+        for key, v in (("loss", value), ("lr", lr), ("grad_norm", float(gn)), ("tokens_per_s", n_tok / dt),
+                       ("loops", r), ("backward_loops", k)):
+            self.metrics[key].append(v)
+        self.step += 1
+        return value
+
+    def evaluate(self) -> xr.Dataset:
+        """Return a loop sweep of the validation batches at the eval loop counts (below, at and beyond K)."""
+        from .evals import loop_sweep
+
+        if self.val_batches is None:
+            raise ValueError("evaluate() needs val_data")
+        K = self.cfg.loops
+        loops = list(self.tc.eval_loops or sorted({1, max(1, K // 2), K, 2 * K}))
+        ds = loop_sweep(self.model, torch.cat(self.val_batches), loops, batch_size=8, progress=False)
+        return ds.expand_dims(step=[self.step])
+
+    def metrics_dataset(self) -> xr.Dataset:
+        """Return the per-step metrics (dim `step`, 1-based) and evaluations (dims `eval_step`, `loop`)."""
+        n = len(self.metrics["loss"])
+        ds = xr.Dataset({k: ("step", np.asarray(v, dtype=float)) for k, v in self.metrics.items()},
+                        coords={"step": np.arange(1, n + 1)})
+        if self.evals:
+            ev = xr.concat(self.evals, dim="step").rename(step="eval_step")
+            ds["eval_loss"] = ev["loss"]
+            ds["eval_accuracy"] = ev["accuracy"]
+        ds.attrs = provenance(self.cfg, self.tc.seed, train_config=self.tc.to_json(), total_steps=self.total_steps)
+        return ds
+
+    def run(self) -> xr.Dataset:
+        """Return the metrics Dataset after training to the budget (checkpointing and evaluating on the way)."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train",
+                   disable=not self.tc.progress or self.rank != 0)
+        self.model.train()
+        while self.step < self.total_steps:
+            loss = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", r=self.metrics["loops"][-1])
+            if self.tc.eval_every and self.val_batches is not None and self.step % self.tc.eval_every == 0:
+                self.evals.append(self.evaluate())
+            if self.tc.checkpoint_every and self.step % self.tc.checkpoint_every == 0:
+                self.save()
+        bar.close()
+        if self.val_batches is not None and (not self.evals or int(self.evals[-1].step[0]) != self.step):
+            self.evals.append(self.evaluate())
+        self.save()
+        ds = self.metrics_dataset()
+        if self.out_dir is not None and self.rank == 0:
+            save_netcdf(ds, self.out_dir / "metrics.nc")
+        return ds
+
+
+def save_netcdf(ds: xr.Dataset, path: str | os.PathLike) -> Path:
+    """Return the path after writing the Dataset as netCDF (h5netcdf) atomically."""
+    data = ds.to_netcdf(engine="h5netcdf")
+    return atomic_write_bytes(path, bytes(data))
+
+
+
+class ExampleBatches:
+    """Seeded batches of task examples for answer-only or per-loop supervision; resumable like BatchSampler.
+
+    Each batch is a dict: `tokens` [B, T] (prompt + answer minus its last token, right-padded with 0),
+    `labels` [B, loops, T] (-100 except at the answer positions) and `weights` [loops]. With
+    `per_loop=True` loop t is graded on the example's state after step t (`Example.steps[t-1]`,
+    for examples whose steps encode to as many tokens as the answer); otherwise, or with
+    `final_only=True`, only the last loop carries the answer.
+    """
+
+    def __init__(self, examples, tokenizer, batch_size: int, loops: int, seed: int = 0, per_loop: bool = True,
+                 final_only: bool = False):
+        if not examples:
+            raise ValueError("examples is empty: nothing to train on")
+        if batch_size < 1 or loops < 1:
+            raise ValueError(f"batch_size={batch_size}, loops={loops} are invalid: both must be >= 1")
+        self.batch_size, self.loops, self.seed = batch_size, loops, seed
+        self.items = []
+        for ex in examples:
+            p, a = tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer)
+            per = [tokenizer.encode(ex.answer[:len(ex.answer) - len(ex.answer.lstrip())] + s) for s in ex.steps]
+            self.items.append((p, a, per))
+        self.per_loop, self.final_only = per_loop, final_only
+        self.epoch = self.position = 0
+
+    def __iter__(self) -> "ExampleBatches":
+        return self
+
+    def __next__(self) -> dict:
+        n = len(self.items)
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+        idx = [order[(self.position * self.batch_size + i) % n] for i in range(self.batch_size)]
+        self.position += 1
+        if self.position * self.batch_size >= n:
+            self.epoch, self.position = self.epoch + 1, 0
+        T = max(len(self.items[i][0]) + len(self.items[i][1]) - 1 for i in idx)
+        tokens = torch.zeros(self.batch_size, T, dtype=torch.long)
+        labels = torch.full((self.batch_size, self.loops, T), -100, dtype=torch.long)
+        for b, i in enumerate(idx):
+            p, a, per = self.items[i]
+            seq = p + a
+            tokens[b, :len(seq) - 1] = torch.tensor(seq[:-1])
+            at = slice(len(p) - 1, len(p) - 1 + len(a))
+            labels[b, -1, at] = torch.tensor(a)
+            if self.per_loop and not self.final_only:
+                # loop t (1-based) is graded on the state after step t, up to the last loop
+                for t in range(1, min(self.loops, len(per) + 1)):
+                    if len(per[t - 1]) == len(a):
+                        labels[b, t - 1, at] = torch.tensor(per[t - 1])
+        return {"tokens": tokens, "labels": labels, "weights": torch.ones(self.loops)}
+
+    def state_dict(self) -> dict[str, int]:
+        """Return the position to restore (epoch, position, seed)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position saved by `state_dict` (the seed must match)."""
+        if state["seed"] != self.seed:
+            raise ValueError(f"seed={state['seed']} in the saved state does not match this sampler's seed={self.seed}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
