@@ -1,7 +1,6 @@
 """Trainer: exact resume, crash safety, Muon grouping, schedules, per-loop supervision, learning, DDP."""
 
 import json
-import math
 import os
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 """Hyper-connections (Zhu et al. 2024) around each core layer, tied across loops like the core itself.
 
 State H is [..., n, d] (n copies of h0 at the start; the streams are averaged before the coda,
-see LoopLM._reduce). A layer reads h_in = A_m^T H and writes H' = B^T Layer(h_in) + A_r^T H, where
+see LoopLM.reduce). A layer reads h_in = A_m^T H and writes H' = B^T Layer(h_in) + A_r^T H, where
 Layer(h_in) is the layer's residual update (its output minus its input), so n = 1 with A_m = A_r = B = 1
 is exactly the plain residual stream. Written here rather than taken from the PyPI `hyper-connections`
 package: its API wraps one branch at a time and changes between minor releases, while the loop needs

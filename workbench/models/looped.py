@@ -66,7 +66,8 @@ class LoopLM(nn.Module):
         if not isinstance(cfg, LoopConfig):
             raise TypeError(f"cfg must be a LoopConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        d, p, s, c = cfg.d_model, cfg.prelude, cfg.core, cfg.coda
+        self.seed = seed  # the init seed, recorded in provenance
+        d, p, s = cfg.d_model, cfg.prelude, cfg.core
         widths = mlp_widths(cfg.physical_layers, cfg.ff_mean, cfg.taper, cfg.taper_multiple,
                             cfg.taper_start, cfg.taper_end)
         # build and initialise under a private RNG so the seed alone decides the weights
@@ -201,12 +202,28 @@ class LoopLM(nn.Module):
             x = h + gates[loop] * (x - h)
         return x
 
-    def _reduce(self, h: torch.Tensor) -> torch.Tensor:
-        # Hyper-connection streams are averaged before the coda. SPEC §1 (after Zhu et al.) sums them;
-        # there a final norm follows and the scale does not matter, but here coda blocks follow, and the
-        # mean keeps the residual scale, makes state 0 equal h0 and makes an untrained hyper-connected
-        # model equal the plain one (the n streams start identical).
+    def reduce(self, h: torch.Tensor) -> torch.Tensor:
+        """Return the state the coda reads: h itself, or the mean of the hyper-connection streams."""
+        # SPEC §1 (after Zhu et al.) sums the streams; there a final norm follows and the scale does not
+        # matter, but here coda blocks follow, and the mean keeps the residual scale, makes state 0 equal
+        # h0 and makes an untrained hyper-connected model equal the plain one (the streams start equal).
         return h if self.hyper is None else h.mean(-2)
+
+    def initial_state(self, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (loop state 0, h0 as injections see it): n copies of h0 under hyper-connections."""
+        if self.hyper is None:
+            return h0, h0
+        h0e = h0.unsqueeze(-2)
+        return h0e.expand(*h0.shape[:-1], self.cfg.hyper, h0.shape[-1]), h0e
+
+    def loop_conditioning(self, horizon: int, like: torch.Tensor):
+        """Return (psi, loop gates, block mods) for a run of `horizon` loops (all None without timesteps)."""
+        if self.timestep is None:
+            return None, None, None
+        psi = timestep_features(horizon, like.device, like.dtype)
+        if self.timestep.kind == "loop_gate":
+            return psi, self.timestep.loop_gates(psi), None
+        return psi, None, self.timestep.block_mods(psi)
 
     def run_loops(self, h0: torch.Tensor, loops: int, horizon: int | None = None,
                   backward_loops: int | None = None, keep_states: bool = False):
@@ -221,19 +238,10 @@ class LoopLM(nn.Module):
         if self.timestep is not None and T < r:
             raise ValueError(f"horizon={T} is invalid: must be >= loops={r}")
         rope = self._rope(h0)
-        psi = timestep_features(T, h0.device, h0.dtype) if self.timestep is not None else None
-        gates = mods = None
-        if psi is not None and self.timestep.kind == "loop_gate":
-            gates = self.timestep.loop_gates(psi)
-        elif psi is not None:
-            mods = self.timestep.block_mods(psi)
-        if self.hyper is not None:
-            h0 = h0.unsqueeze(-2)
-            h = h0.expand(*h0.shape[:-2], self.cfg.hyper, h0.shape[-1])
-        else:
-            h = h0
+        psi, gates, mods = self.loop_conditioning(T, h0)
+        h, h0 = self.initial_state(h0)
         past: deque = deque(maxlen=self.cfg.history)
-        states = [self._reduce(h)] if keep_states else None
+        states = [self.reduce(h)] if keep_states else None
         for i in range(r):
             frozen = i < r - k
             if i == r - k and r > k:
@@ -245,8 +253,8 @@ class LoopLM(nn.Module):
                 past.appendleft(h)
             h = h_new
             if keep_states:
-                states.append(self._reduce(h))
-        return self._reduce(h), states
+                states.append(self.reduce(h))
+        return self.reduce(h), states
 
     def forward(self, tokens: torch.Tensor, loops: int | None = None, targets: torch.Tensor | None = None,
                 *, horizon: int | None = None, backward_loops: int | None = None,

@@ -1,0 +1,21 @@
+"""Probes of what a loop does (SPEC §3): each takes `(model, tokens, ...)` and returns an `xarray.Dataset`.
+
+- `geometry`: angle, relative update, normalised variance and norm per loop and per block occurrence;
+- `interaction`: computational interaction C(i -> j) between block occurrences (LoopLM only);
+- `lost_gradient`: what truncated BPTT throws away, for every k from one backward pass;
+- `lens`: per-loop next-token loss, accuracy, entropy and KL to the final loop;
+- `halting`: adaptive exit at inference, its compute saved and loss paid.
+
+`model` is a `LoopLM` or any looped model wrapped in a `Loopable` (see `workbench.probes.protocol`).
+Datasets carry flat provenance attrs (config_json, git_commit, workbench_version, seed, created).
+"""
+
+from .geometry import geometry
+from .gradients import LoopGradients, loop_gradients, lost_gradient
+from .halting import halting
+from .interaction import interaction
+from .lens import lens
+from .protocol import Loopable, as_loopable
+
+__all__ = ["geometry", "interaction", "lost_gradient", "loop_gradients", "LoopGradients", "lens", "halting",
+           "Loopable", "as_loopable"]

@@ -1,0 +1,206 @@
+"""Shared pieces of the probes: input checks, provenance, block-occurrence hooks, per-token metrics."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..io import provenance
+from ..models.looped import LoopLM
+from .protocol import Loopable, as_loopable
+
+EPS = 1e-12  # SPEC §3
+
+
+# ---- input checks -------------------------------------------------------------------------------
+def check_model(model) -> None:
+    """Raise TypeError unless model is a LoopLM or a Loopable."""
+    if not isinstance(model, (LoopLM, Loopable)):
+        raise TypeError(f"model must be a LoopLM or a Loopable, got {type(model).__name__}")
+
+
+def check_int(value, name: str, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:
+    """Return value as an int, raising ValueError naming the field unless minimum <= value <= maximum."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}") from None
+    if v < minimum:
+        raise ValueError(f"{name}={v} is invalid: must be an integer >= {minimum}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{name}={v} is invalid: must be <= {maximum}{what}")
+    return v
+
+
+def training_loops(model) -> int:
+    """Return K, the loop count the model was trained at."""
+    return model.cfg.loops if isinstance(model, LoopLM) else int(model.training_loops)
+
+
+def vocab_size(model) -> int | None:
+    """Return the vocabulary size when known (for token range checks), else None."""
+    return model.cfg.vocab_size if isinstance(model, LoopLM) else model.vocab_size
+
+
+def device_of(model) -> torch.device | None:
+    """Return the device of a LoopLM's weights (None for a Loopable: its tokens are used as given)."""
+    return model.embed.weight.device if isinstance(model, LoopLM) else None
+
+
+def check_tokens(tokens, model, name: str = "tokens") -> torch.Tensor:
+    """Return tokens (on the model's device), raising ValueError unless an integer [batch, seq] tensor in range."""
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of token ids [batch, seq], got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.dim() != 2 or tokens.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty [batch, seq] tensor, got shape {tuple(tokens.shape)}")
+    V = vocab_size(model)
+    if V is not None and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
+        raise ValueError(f"{name} must lie in 0..{V - 1} (vocab_size={V}), "
+                         f"got values in {int(tokens.min())}..{int(tokens.max())}")
+    dev = device_of(model)
+    return tokens.long().to(dev) if dev is not None else tokens.long()
+
+
+def check_targets(targets, tokens: torch.Tensor, model, name: str = "targets") -> torch.Tensor:
+    """Return targets like tokens, raising ValueError unless integer ids (or -100) of the tokens' shape."""
+    if not isinstance(targets, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor [batch, seq], got {type(targets).__name__}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {targets.dtype}")
+    if tuple(targets.shape) != tuple(tokens.shape):
+        raise ValueError(f"{name} must have the shape of tokens {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+    V = vocab_size(model)
+    kept = targets[targets != -100]
+    if kept.numel() and (int(kept.min()) < 0 or (V is not None and int(kept.max()) >= V)):
+        raise ValueError(f"{name} must be token ids in 0..{'' if V is None else V - 1} or -100 (ignored)")
+    return targets.long().to(tokens.device)
+
+
+def check_horizon(model, loops: int, horizon) -> int:
+    """Return the horizon T for timestep conditioning (default: loops), which must be >= loops."""
+    if horizon is None:
+        return loops
+    return check_int(horizon, "horizon", minimum=loops)
+
+
+def attrs(model, probe: str, **extra) -> dict[str, str | int | float]:
+    """Return the flat provenance attrs of a probe result."""
+    cfg = model.cfg if isinstance(model, LoopLM) else model.config
+    seed = getattr(model, "seed", None)
+    return provenance(cfg, seed, probe=probe, **extra)
+
+
+# ---- one pass -----------------------------------------------------------------------------------
+def trace_states(model, tokens: torch.Tensor, loops: int, horizon: int | None = None
+                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Return (states [loops+1, B, T, d], readout) from one pass; readout maps a state to logits."""
+    if isinstance(model, LoopLM):
+        tr = model.trace(tokens, loops=loops, horizon=horizon)
+        return tr.states, model.readout
+    lp = as_loopable(model)
+    _, carried = lp.run(tokens, loops)
+    return torch.stack([lp.state(h) for h in carried]), lp.coda
+
+
+# ---- per-token metrics ----------------------------------------------------------------------------
+def angular_distance(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Return arccos(clip(u.v / max(|u||v|, eps), -1, 1)) / pi per token (over the last dim)."""
+    u, v = u.float(), v.float()
+    cos = (u * v).sum(-1) / (u.norm(dim=-1) * v.norm(dim=-1)).clamp_min(EPS)
+    return torch.arccos(cos.clamp(-1.0, 1.0)) / torch.pi
+
+
+def relative_update(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """Return |h_out - h_in| / max(|h_in|, eps) per token."""
+    h_in, h_out = h_in.float(), h_out.float()
+    return (h_out - h_in).norm(dim=-1) / h_in.norm(dim=-1).clamp_min(EPS)
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor | None = None):
+    """Return (log-probs [B, T, V] float32, loss [B, T], correct [B, T]) (loss/correct None without targets)."""
+    lp = F.log_softmax(logits.float(), dim=-1)
+    if targets is None:
+        return lp, None, None
+    t = targets.clamp_min(0)
+    loss = -lp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    correct = (logits.argmax(-1) == targets).float()
+    return lp, loss, correct
+
+
+def kl(lp_p: torch.Tensor, lp_q: torch.Tensor) -> torch.Tensor:
+    """Return KL(p || q) per token from log-probabilities, clamped at 0 against rounding."""
+    return (lp_p.exp() * (lp_p - lp_q)).sum(-1).clamp_min(0.0)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Return the mean of x over the True entries of mask (NaN when none)."""
+    n = int(mask.sum())
+    return float((x * mask).sum() / n) if n else float("nan")
+
+
+# ---- block occurrences of a LoopLM ----------------------------------------------------------------
+def occurrences(model: LoopLM, loops: int) -> list[tuple[str, str, int, int]]:
+    """Return (name, stage, loop, layer) for every block occurrence in call order.
+
+    Names are "prelude.i", "core.{loop}.{layer}" (loop 1-based) and "coda.i"; `loop` is 0 for the
+    prelude and loops + 1 for the coda.
+    """
+    c = model.cfg
+    out = [(f"prelude.{i}", "prelude", 0, i) for i in range(c.prelude)]
+    out += [(f"core.{t}.{j}", "core", t, j) for t in range(1, loops + 1) for j in range(c.core)]
+    out += [(f"coda.{i}", "coda", loops + 1, i) for i in range(c.coda)]
+    return out
+
+
+class BlockHooks:
+    """Calls fn(j, x_in, x_out, delta) at every block occurrence of a LoopLM, counting j in call order.
+
+    Plain blocks are seen through forward hooks on `Block`; hyper-connected core layers call
+    `Block.delta` (no forward hook fires), so a forward pre-hook on each `HyperConnection` wraps its
+    update callable instead; there x_in is the layer's input A_m^T H and x_out = x_in + delta, i.e.
+    Block(x_in). If fn returns a boolean row mask [N], those batch rows skip the occurrence (output
+    := input; for a hyper-connected layer, delta := 0). Set `.j` to start counting elsewhere.
+    """
+
+    def __init__(self, model: LoopLM, fn):
+        self.model, self.fn, self.j, self._handles = model, fn, 0, []
+
+    def __enter__(self) -> "BlockHooks":
+        m = self.model
+        for blk in [*m.prelude, *m.core, *m.coda]:
+            self._handles.append(blk.register_forward_hook(self._block))
+        if m.hyper is not None:
+            for hc in m.hyper:
+                self._handles.append(hc.register_forward_pre_hook(self._hyper))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _block(self, module, args, out):
+        x = args[0]
+        j, self.j = self.j, self.j + 1
+        mask = self.fn(j, x, out, out - x)
+        if mask is None:
+            return None
+        return torch.where(mask.view(-1, *([1] * (out.dim() - 1))), x, out)
+
+    def _hyper(self, module, args):
+        H, update = args
+
+        def wrapped(u):
+            d = update(u)
+            j, self.j = self.j, self.j + 1
+            mask = self.fn(j, u, u + d, d)
+            return d if mask is None else d.masked_fill(mask.view(-1, *([1] * (d.dim() - 1))), 0)
+
+        return (H, wrapped)
