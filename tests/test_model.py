@@ -6,32 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench import LoopConfig, LoopLM
+from helpers import D, V, cfg, perturb, tokens
+from workbench import LoopLM
 from workbench.models.hyper import HyperConnection
 from workbench.models.taper import mlp_widths
-
-V, D = 97, 32
-
-
-def cfg(**kw) -> LoopConfig:
-    base = dict(vocab_size=V, d_model=D, n_heads=4, n_kv_heads=2, prelude=1, core=2, coda=1, loops=3,
-                max_seq_len=64)
-    base.update(kw)
-    return LoopConfig(**base)
-
-
-def tokens(seed=0, B=2, T=12):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g)
-
-
-def perturb(model, scale=0.05, seed=1):
-    """Move every parameter off its (identity / zero) init so variant terms really act."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return model
 
 
 # ---- slow reference ----------------------------------------------------------------------------

@@ -9,38 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench import LoopConfig, LoopLM, probes
+from helpers import D, V, cfg, perturb, tokens
+from workbench import LoopLM, probes
 from workbench.models.conditioning import timestep_features
 
-V, D = 97, 32
 EPS = 1e-12
-
-
-def cfg(**kw) -> LoopConfig:
-    base = dict(vocab_size=V, d_model=D, n_heads=4, n_kv_heads=2, prelude=1, core=2, coda=1, loops=3,
-                max_seq_len=64)
-    base.update(kw)
-    return LoopConfig(**base)
-
-
-def tokens(seed=0, B=2, T=12):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g)
 
 
 def targets_for(x):
     y = x.roll(-1, dims=1)
     y[0, :3] = -100  # some ignored positions
     return y
-
-
-def perturb(model, scale=0.05, seed=1):
-    """Move every parameter off its (identity / zero) init so variant terms really act."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return model
 
 
 VARIANTS = [
