@@ -26,9 +26,7 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -39,37 +37,9 @@ from workbench import probes  # noqa: E402
 from workbench.config import LoopConfig  # noqa: E402
 from workbench.models import LoopLM  # noqa: E402
 
+from bench_model import cpu_model, interleaved  # noqa: E402  (same folder: one timing loop for all benchmarks)
+
 D_MODEL, N_HEADS, VOCAB, SEQ, BATCH, LOOPS = 256, 4, 4096, 128, 4, 8
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
-                repeats: int) -> dict[str, list[float]]:
-    """Return {name: [seconds per timed round]} running the fns round-robin (A B A B ...)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---- the slow contenders ----------------------------------------------------------------------------
