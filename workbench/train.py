@@ -419,7 +419,7 @@ class Trainer:
             if isinstance(batch, dict):  # per-loop supervision
                 tokens = batch["tokens"].to(self.device)
                 return per_loop_loss(self.model, tokens, batch["labels"].to(self.device), batch.get("weights"),
-                                     backward_loops=min(k, batch["labels"].shape[1]))
+                                     backward_loops=k)
             batch = batch.to(self.device)
             if self.world > 1:
                 b = batch.shape[0] // self.world
@@ -436,6 +436,9 @@ class Trainer:
                 g["lr"] = lr
         t0 = time.perf_counter()
         batch = next(self.sampler)
+        if isinstance(batch, dict):  # per-loop supervision: the labels fix the loop count
+            r = batch["labels"].shape[1]
+            k = min(k, r)
         loss = self._loss(batch, r, k)
         if not torch.isfinite(loss):
             last = latest_checkpoint(self.out_dir) if self.out_dir is not None else None
