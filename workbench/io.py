@@ -1,4 +1,4 @@
-"""Provenance for results, and atomic writes so an interrupted run never leaves half a file."""
+"""Provenance for results, atomic writes (so an interrupted run never leaves half a file), netCDF."""
 
 from __future__ import annotations
 
@@ -55,3 +55,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def save_netcdf(ds, path: str | os.PathLike) -> Path:
+    """Return the path after writing an xarray Dataset as netCDF (engine h5netcdf) atomically."""
+    return atomic_write_bytes(path, bytes(ds.to_netcdf(engine="h5netcdf")))

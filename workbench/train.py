@@ -36,7 +36,7 @@ import xarray as xr
 from safetensors.torch import load_file, save_file
 
 from .config import LoopConfig
-from .io import atomic_write_bytes, provenance
+from .io import atomic_write_bytes, provenance, save_netcdf
 from .models.looped import LoopLM
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -508,13 +508,6 @@ class Trainer:
         if self.out_dir is not None and self.rank == 0:
             save_netcdf(ds, self.out_dir / "metrics.nc")
         return ds
-
-
-def save_netcdf(ds: xr.Dataset, path: str | os.PathLike) -> Path:
-    """Return the path after writing the Dataset as netCDF (h5netcdf) atomically."""
-    data = ds.to_netcdf(engine="h5netcdf")
-    return atomic_write_bytes(path, bytes(data))
-
 
 
 class ExampleBatches:
