@@ -31,13 +31,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import xarray as xr
 from safetensors.torch import load_file, save_file
 
 from .config import LoopConfig
 from .io import atomic_write_bytes, provenance, save_netcdf
-from .models.looped import LoopLM
+from .models.looped import LoopLM, lm_loss
 
 SCHEDULES = ("cosine", "wsd", "constant")
 LOOP_SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
@@ -216,7 +215,7 @@ def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, wei
         if w[t - 1] == 0 or not (lab != -100).any():
             continue
         logits = model.readout(states[t])
-        total = total + w[t - 1] * F.cross_entropy(logits.flatten(0, 1).float(), lab.flatten(), ignore_index=-100)
+        total = total + w[t - 1] * lm_loss(logits, lab)
         norm += float(w[t - 1])
     if norm == 0:
         raise ValueError("labels carry no label at any loop with non-zero weight")
