@@ -1,0 +1,683 @@
+"""The live loop explorer: scrub the loop count and watch predictions, hidden state and drift move.
+
+`LoopExplorer(model, tokenizer, text=..., max_loops=...)` shows a loop slider (1..max_loops, the
+training horizon K named beside it), a prompt box and a token selector over four plotly
+`FigureWidget`s: the top-k next tokens at the chosen loop, per-loop curves (logit-lens loss, angular
+distance, relative update, KL to the previous loop) with a cursor, the hidden-state trajectory across
+loops in a PCA fitted on all loops, and a token-by-loop heatmap of update norms.
+
+Why it is fast: one `model.trace(tokens, loops=max_loops)` per prompt or model is reduced to small
+numpy arrays (`LoopView`, from `compute_view`); a slider move only re-slices them into the figures
+inside `batch_update()` and never runs the model. Scripts and tests drive it with `set_loop`,
+`set_token`, `set_text` and `set_model` and read `figures` (the FigureWidgets by name).
+
+Bad input (an empty prompt, a checkpoint that cannot be read or does not fit its config or the
+tokenizer) is shown as a message in the widget, never as a traceback; a prompt longer than the
+model's context is cut to its last `max_seq_len` tokens, with a note saying so.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.looped import LoopLM
+from ..probes._common import angular_distance, check_int, kl, masked_mean, relative_update, token_stats
+
+DEFAULT_TEXT = ('def greet(name):\n    """Return a greeting for name."""\n'
+                '    return "Hello, " + name + "!"\n')
+METRICS = (  # (key in LoopView, subplot title); the curves figure keeps this order
+    ("loss", "logit-lens loss (nats)"),
+    ("angle", "angular distance a(x(t-1), x(t)) (π rad)"),
+    ("update", "relative update |x(t)-x(t-1)|/|x(t-1)|"),
+    ("kl_prev", "KL(p_t ‖ p_t-1) (nats)"),
+)
+FIGURES = ("predictions", "curves", "trajectory", "heatmap")
+_LOGIT_BUDGET = 2 ** 25  # floats of logits held at once while reducing a trace (128 MB in fp32)
+
+
+class ExplorerInputError(ValueError):
+    """Input the explorer cannot show (bad prompt, checkpoint or tokenizer); its text goes in the widget."""
+
+
+class ByteTokenizer:
+    """Token id = UTF-8 byte (256 ids): the tokenizer of byte-level models such as `workbench demo`'s."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of text as token ids."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        """Return the text of byte ids (invalid UTF-8 shown as U+FFFD)."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def token_label(tokenizer, token_id: int) -> str:
+    """Return a one-line, visible label for a token: escapes for control characters, ␣ for spaces."""
+    if isinstance(tokenizer, ByteTokenizer) and token_id >= 0x80:
+        return f"<0x{token_id:02X}>"  # a lone byte of a multi-byte character decodes to nothing readable
+    text = tokenizer.decode([token_id])
+    return repr(text)[1:-1].replace(" ", "␣") or "∅"
+
+
+# ---- models and checkpoints --------------------------------------------------------------------------
+def default_device() -> torch.device:
+    """Return CUDA when present, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tiny_model(steps: int = 120, seed: int = 0, progress: bool = True) -> tuple[LoopLM, ByteTokenizer]:
+    """Return (model, ByteTokenizer) after training the `workbench demo` model (byte-level 1+2x4+1, d=128).
+
+    About 0.4 s a step on two CPU cores, so the default 120 steps take under a minute; it already
+    predicts common bytes of Python source and shows the loop-count behaviour the explorer is for.
+    """
+    from ..config import LoopConfig
+    from ..data.corpus import stdlib_bytes
+    from ..train import Trainer, TrainConfig
+
+    steps = check_int(steps, "steps")
+    data = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8).astype(np.uint16)
+    # the same model and recipe as cli.demo, so the explorer shows what the demo prints
+    cfg = LoopConfig(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=2, prelude=1, core=2, coda=1,
+                     loops=4, max_seq_len=128, inject="channel")
+    tc = TrainConfig(steps=steps, batch_size=16, seq_len=128, lr=1e-2, warmup=min(20, steps), seed=seed,
+                     progress=progress)
+    trainer = Trainer(cfg, tc, data)
+    trainer.run()
+    return trainer.model, ByteTokenizer()
+
+
+def find_quickstart_checkpoint(runs_dir: str | os.PathLike = "runs") -> Path | None:
+    """Return the model folder of the newest finished quickstart train run under runs_dir, or None.
+
+    The quickstart pipeline writes `<runs_dir>/quickstart/train/<key>/run.json` ({"status": "done"})
+    with the trained checkpoint in `<key>/model/`; "newest" is by run.json's modification time.
+    """
+    found = []
+    for run_json in Path(runs_dir).glob("quickstart/train/*/run.json"):
+        try:
+            done = json.loads(run_json.read_text()).get("status") == "done"
+        except (OSError, ValueError, AttributeError):
+            continue  # a run being written or a foreign file is not a candidate
+        if done and (run_json.parent / "model").is_dir():
+            found.append((run_json.stat().st_mtime, str(run_json.parent / "model")))
+    return Path(max(found)[1]) if found else None
+
+
+def _find_tokenizer(path: Path):
+    from ..data.corpus import Tokenizer
+
+    # a checkpoint folder holds tokenizer.json itself (quickstart) or sits in a run folder that does
+    # (`workbench train` writes checkpoints in subfolders of --out)
+    for candidate in (path / "tokenizer.json", path.parent / "tokenizer.json"):
+        if candidate.is_file():
+            try:
+                return Tokenizer.load(candidate)
+            except (ValueError, OSError, Exception) as e:  # tokenizers raises its own Exception type
+                raise ExplorerInputError(f"cannot read the tokenizer at {candidate}: {e}") from None
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike, tokenizer=None, device=None) -> tuple[LoopLM, object]:
+    """Return (model, tokenizer) from a checkpoint folder, run folder or quickstart run folder.
+
+    The tokenizer is the one given, else `tokenizer.json` in or next to the checkpoint, else (for a
+    256-id model) bytes. Raises ExplorerInputError with a readable reason for anything that does not
+    load or does not fit.
+    """
+    from ..train import load_model
+
+    p = Path(path).expanduser()
+    if not str(path).strip() or not p.exists():
+        raise ExplorerInputError(f"no checkpoint at {str(path)!r}: the path does not exist")
+    if (p / "model").is_dir() and not (p / "state.json").exists() and not (p / "latest.json").exists():
+        p = p / "model"  # a quickstart run folder: the checkpoint is its model/ subfolder
+    try:
+        model = load_model(p, device=device or default_device())
+    except FileNotFoundError:
+        raise ExplorerInputError(f"no checkpoint at {p}: expected state.json and model.safetensors "
+                                 "(or latest.json pointing at them)") from None
+    except RuntimeError as e:  # load_state_dict: the weights are those of another config
+        first = str(e).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        raise ExplorerInputError(f"the checkpoint at {p} holds weights of another config than its "
+                                 f"state.json describes: {detail[:400]}") from None
+    except (ValueError, TypeError, KeyError) as e:  # LoopConfig.from_json: fields of another version
+        raise ExplorerInputError(f"the checkpoint at {p} has a config this workbench cannot build: {e}") from None
+    if tokenizer is None:
+        tokenizer = _find_tokenizer(p)
+    if tokenizer is None:
+        if model.cfg.vocab_size != 256:
+            raise ExplorerInputError(f"no tokenizer.json in or next to {p} and the model's vocab_size="
+                                     f"{model.cfg.vocab_size} is not byte-level (256): pass tokenizer=")
+        tokenizer = ByteTokenizer()
+    check_fit(model, tokenizer)
+    return model, tokenizer
+
+
+def check_fit(model: LoopLM, tokenizer) -> None:
+    """Raise ExplorerInputError unless the tokenizer's ids all lie in the model's vocabulary."""
+    if not isinstance(model, LoopLM):
+        raise ExplorerInputError(f"model must be a LoopLM or a checkpoint path, got {type(model).__name__}")
+    if tokenizer is None or not hasattr(tokenizer, "encode") or not hasattr(tokenizer, "decode"):
+        raise ExplorerInputError("a tokenizer with encode() and decode() is needed for a LoopLM given directly")
+    n = getattr(tokenizer, "vocab_size", None)
+    if n is not None and n > model.cfg.vocab_size:
+        raise ExplorerInputError(f"the tokenizer has {n} ids but the model's vocab_size is {model.cfg.vocab_size}: "
+                                 f"they belong to different configs ({model.cfg.notation})")
+
+
+def open_model(checkpoint: str = "", runs_dir: str | os.PathLike = "runs", train_steps: int = 120,
+               seed: int = 0, progress: bool = True) -> tuple[LoopLM, object, str]:
+    """Return (model, tokenizer, where it came from): the checkpoint given, else the newest quickstart
+    run under runs_dir, else a tiny byte-level model trained for train_steps (what explorer.ipynb does)."""
+    if checkpoint:
+        model, tok = load_checkpoint(checkpoint)
+        return model, tok, f"checkpoint {checkpoint}"
+    found = find_quickstart_checkpoint(runs_dir)
+    if found is not None:
+        model, tok = load_checkpoint(found)
+        return model, tok, f"quickstart checkpoint {found}"
+    model, tok = tiny_model(train_steps, seed, progress=progress)
+    return model, tok, f"tiny byte-level model trained here for {train_steps} steps (no quickstart run in {runs_dir})"
+
+
+# ---- the cached numbers ------------------------------------------------------------------------------
+@dataclass
+class LoopView:
+    """Everything a slider move needs, as numpy arrays over loops 1..R (index r-1) and positions 0..T-1."""
+
+    tokens: np.ndarray  # [T] token ids
+    labels: list[str]  # [T] visible token labels
+    training_loops: int  # K
+    horizon: int  # T of timestep conditioning the trace ran with (= R)
+    loss: np.ndarray  # [R] mean logit-lens next-token loss over positions with a next token (nats)
+    angle: np.ndarray  # [R] mean angular distance a(x(t-1), x(t)) (units of pi)
+    update: np.ndarray  # [R] mean relative update |x(t) - x(t-1)| / |x(t-1)|
+    kl_prev: np.ndarray  # [R] mean KL(p_t || p_{t-1}); loop 1 compares with loop 0 (h0 read out)
+    token_loss: np.ndarray  # [R, T] per position (NaN at the last position: it has no next token)
+    token_angle: np.ndarray  # [R, T]
+    token_update: np.ndarray  # [R, T]
+    token_kl_prev: np.ndarray  # [R, T]
+    top_ids: np.ndarray  # [R, T, k] top-k next-token ids, most probable first
+    top_p: np.ndarray  # [R, T, k] their probabilities
+    target_p: np.ndarray  # [R, T] probability of the true next token (NaN at the last position)
+    target_rank: np.ndarray  # [R, T] its rank (1 = top), 0 at the last position
+    proj: np.ndarray  # [R+1, T, dims] states 0..R projected on the top principal components
+    explained: np.ndarray  # [dims] share of variance each component explains
+
+    @property
+    def max_loops(self) -> int:
+        """Return R, the number of loops the view holds."""
+        return int(self.loss.shape[0])
+
+    def curve(self, name: str) -> np.ndarray:
+        """Return the mean curve [R] of a metric in METRICS."""
+        return getattr(self, name)
+
+    def token_curve(self, name: str) -> np.ndarray:
+        """Return the per-position curves [R, T] of a metric in METRICS."""
+        return getattr(self, "token_" + name)
+
+
+def _pca(states: torch.Tensor, dims: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return (projection [R+1, T, dims], explained variance shares [dims]) of states [R+1, T, d]."""
+    X = states.reshape(-1, states.shape[-1]).double()
+    Xc = X - X.mean(0)
+    _, S, Vh = torch.linalg.svd(Xc, full_matrices=False)
+    k = min(dims, Vh.shape[0])
+    V = Vh[:k]
+    # a component's sign is arbitrary; fix it so the same states always draw the same picture
+    signs = torch.sign(V.gather(1, V.abs().argmax(1, keepdim=True)))
+    V = V * torch.where(signs == 0, 1.0, signs)
+    P = Xc @ V.T
+    var = S.square()
+    share = (var[:k] / var.sum().clamp_min(1e-300)).cpu().numpy()
+    if k < dims:  # fewer points or features than dims: the missing axes are flat
+        P = torch.cat([P, P.new_zeros(P.shape[0], dims - k)], 1)
+        share = np.concatenate([share, np.zeros(dims - k)])
+    return P.reshape(*states.shape[:2], dims).float().cpu().numpy(), share
+
+
+def compute_view(model: LoopLM, tokens, max_loops: int, top_k: int = 10, dims: int = 3,
+                 labels: list[str] | None = None) -> LoopView:
+    """Return the LoopView of one prompt from ONE `model.trace(tokens, loops=max_loops)`.
+
+    Readouts run in chunks of loops, so the logits of all loops never sit in memory at once.
+    A horizon-dependent model (timestep conditioning) is traced with T = max_loops: every loop shown
+    is a loop of one max_loops-loop run.
+    """
+    R = check_int(max_loops, "max_loops")
+    dims = check_int(dims, "dims", minimum=2, maximum=3)
+    dev = model.embed.weight.device
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=dev).reshape(1, -1)
+    T = ids.shape[1]
+    V = model.cfg.vocab_size
+    k = min(check_int(top_k, "top_k"), V)
+    targets = torch.full_like(ids, -100)
+    targets[:, :-1] = ids[:, 1:]
+    mask = targets != -100
+    with torch.inference_mode():
+        trace = model.trace(ids, loops=R, horizon=R)
+        states = trace.states[:, 0]  # [R+1, T, d]: the prompt is one row
+        tok_angle = angular_distance(states[:-1], states[1:])  # [R, T]
+        tok_update = relative_update(states[:-1], states[1:])
+        chunk = max(1, _LOGIT_BUDGET // max(1, T * V))
+        lp_prev = None
+        rows = {n: [] for n in ("loss", "kl", "top_p", "top_i", "tp", "rank")}
+        for lo in range(0, R + 1, chunk):
+            hi = min(R + 1, lo + chunk)
+            # loops ride in the batch dim: the coda attends within a row, so rows stay independent
+            lp, loss, _ = token_stats(model.readout(states[lo:hi]), targets.expand(hi - lo, T))
+            prev = lp[:-1] if lp_prev is None else torch.cat([lp_prev, lp[:-1]])
+            cur = lp if lp_prev is not None else lp[1:]  # state 0 has no previous loop
+            rows["kl"].append(kl(cur, prev))
+            first = 1 if lo == 0 else 0  # loop 0 (h0) only serves as loop 1's previous
+            rows["loss"].append(loss[first:])
+            p, i = lp[first:].topk(k, dim=-1)
+            rows["top_p"].append(p.exp())
+            rows["top_i"].append(i)
+            lt = lp[first:].gather(-1, targets.clamp_min(0).expand(hi - lo - first, T).unsqueeze(-1))
+            rows["tp"].append(lt.squeeze(-1).exp())
+            rows["rank"].append((lp[first:] > lt).sum(-1) + 1)
+            lp_prev = lp[-1:]
+        cat = {n: torch.cat(v) for n, v in rows.items()}
+        m = mask.expand(R, T)
+        tok_loss = cat["loss"].masked_fill(~m, float("nan"))
+        view = LoopView(
+            tokens=ids[0].cpu().numpy(),
+            labels=list(labels) if labels is not None else [str(int(t)) for t in ids[0].tolist()],
+            training_loops=model.cfg.loops, horizon=R,
+            loss=np.array([masked_mean(cat["loss"][t], mask[0]) for t in range(R)]),
+            angle=tok_angle.mean(-1).cpu().numpy(), update=tok_update.mean(-1).cpu().numpy(),
+            kl_prev=cat["kl"].mean(-1).cpu().numpy(),
+            token_loss=tok_loss.cpu().numpy(), token_angle=tok_angle.cpu().numpy(),
+            token_update=tok_update.cpu().numpy(), token_kl_prev=cat["kl"].cpu().numpy(),
+            top_ids=cat["top_i"].cpu().numpy(), top_p=cat["top_p"].float().cpu().numpy(),
+            target_p=cat["tp"].masked_fill(~m, float("nan")).cpu().numpy(),
+            target_rank=cat["rank"].masked_fill(~m, 0).cpu().numpy(),
+            proj=None, explained=None)
+        view.proj, view.explained = _pca(states, dims)
+    return view
+
+
+# ---- the widget ----------------------------------------------------------------------------------------
+def _shape_line(x: float, xref: str, yref: str, dash: str, color: str) -> dict:
+    return dict(type="line", x0=x, x1=x, y0=0, y1=1, xref=xref, yref=yref,
+                line=dict(color=color, width=1.5, dash=dash))
+
+
+class LoopExplorer:
+    """A loop slider, prompt box and token selector over four live FigureWidgets of one cached trace.
+
+    `model` is a LoopLM (with `tokenizer`) or a checkpoint / run folder (its tokenizer is found next
+    to it). Display it in a notebook as the last expression of a cell (or `display(explorer.widget)`).
+    """
+
+    def __init__(self, model, tokenizer=None, text: str = DEFAULT_TEXT, max_loops: int | None = None, *,
+                 top_k: int = 10, dims: int = 3, device=None, progress: bool = False):
+        import ipywidgets as W
+
+        if max_loops is not None:
+            max_loops = check_int(max_loops, "max_loops")
+        self.top_k = check_int(top_k, "top_k")
+        self.dims = check_int(dims, "dims", minimum=2, maximum=3)
+        self.device = torch.device(device) if device is not None else default_device()
+        self._max_loops_arg = max_loops
+        self.model: LoopLM | None = None
+        self.tokenizer = None
+        self.view: LoopView | None = None
+        self.text = ""
+        self.loop = 1
+        self.token = 0
+        self.traces = 0  # model passes run so far: a slider move must not add one
+        self.message = ""
+        self._syncing = False
+
+        self.prompt = W.Textarea(value=text, description="prompt", continuous_update=False,
+                                 layout=W.Layout(width="98%", height="80px"))
+        self.slider = W.IntSlider(value=1, min=1, max=max_loops or 16, description="loops",
+                                  continuous_update=True, layout=W.Layout(width="55%"))
+        self.position = W.HTML()  # where the loop stands against K: the slider's horizon mark
+        self.token_select = W.Dropdown(description="token", layout=W.Layout(width="40%"))
+        self.path = W.Text(placeholder="checkpoint or run folder", description="model",
+                           layout=W.Layout(width="60%"))
+        self.load_button = W.Button(description="load", tooltip="load the checkpoint and trace the prompt")
+        self.status = W.HTML()
+        self.source = W.HTML()
+        self.figures = self._build_figures()
+        for name, fig in self.figures.items():
+            fig.add_class(f"wb-explorer-{name}")  # stable hooks for the browser test and custom CSS
+        # while the explorer itself sets a control (_syncing), its observer must not act on it
+        self.prompt.observe(self._guard(lambda ch: self._syncing or self.set_text(ch["new"])), "value")
+        self.slider.observe(self._guard(lambda ch: self._syncing or self.set_loop(ch["new"])), "value")
+        self.token_select.observe(self._guard(lambda ch: self._syncing or ch["new"] is None
+                                              or self.set_token(ch["new"])), "value")
+        self.load_button.on_click(self._guard(lambda _: self.set_model(self.path.value)))
+        f = self.figures
+        self.widget = W.VBox([
+            self.source,
+            W.HBox([self.path, self.load_button]),
+            self.prompt,
+            W.HBox([self.slider, self.position]),
+            self.token_select,
+            self.status,
+            W.HBox([f["predictions"], f["curves"]]),
+            W.HBox([f["trajectory"], f["heatmap"]]),
+        ])
+        self.widget.add_class("wb-explorer")
+        self.text = text
+        self._guard(lambda: self.set_model(model, tokenizer))()
+
+    # ---- display --------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kw):
+        return self.widget._repr_mimebundle_(**kw)
+
+    # ---- messages -------------------------------------------------------------------------------
+    def _say(self, text: str, kind: str = "info") -> None:
+        colors = {"error": "#b00020", "warning": "#8a5300", "info": "#555"}
+        self.message = text
+        self.status.value = (f'<div class="wb-explorer-message wb-{kind}" style="color:{colors[kind]};'
+                             f'white-space:pre-wrap">{html.escape(text)}</div>') if text else ""
+
+    def _guard(self, fn):
+        """Return fn wrapped so bad input shows as a message in the widget instead of a traceback."""
+        def run(*args):
+            try:
+                return fn(*args)
+            except ExplorerInputError as e:
+                self._say(str(e), "error")
+            except Exception as e:  # a widget callback's traceback would land in a log nobody reads
+                self._say(f"{type(e).__name__}: {e}", "error")
+        return run
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    @property
+    def max_loops(self) -> int:
+        """Return the slider's range end R (default 4 K for the model shown)."""
+        if self._max_loops_arg is not None:
+            return self._max_loops_arg
+        return 4 * self.model.cfg.loops if self.model is not None else 16
+
+    def set_model(self, model, tokenizer=None) -> None:
+        """Show another model (a LoopLM or a checkpoint path): traces the current prompt once.
+
+        Raises ExplorerInputError when it cannot be used (the widget callbacks show it as a message);
+        the model shown before stays.
+        """
+        if isinstance(model, (str, os.PathLike)):
+            source = f"{os.fspath(model)} · "
+            model, tokenizer = load_checkpoint(model, tokenizer, self.device)
+        else:
+            check_fit(model, tokenizer)
+            model = model.to(self.device)
+            source = ""
+        old = (self.model, self.tokenizer)
+        self.model, self.tokenizer = model, tokenizer
+        try:
+            self._retrace(self.text)
+        except ExplorerInputError:
+            if self.view is None:  # nothing to fall back to: show the model with its message
+                raise
+            self.model, self.tokenizer = old
+            raise
+        c = model.cfg
+        self.source.value = html.escape(f"{source}{c.notation} · d={c.d_model} · vocab={c.vocab_size} · "
+                                        f"context {c.max_seq_len} · trained at K={c.loops} · {self.device}")
+
+    def set_text(self, text: str) -> None:
+        """Trace a new prompt once (to max_loops) and redraw every figure from the cache."""
+        self._retrace(text)
+
+    def _encode(self, text: str) -> tuple[np.ndarray, str]:
+        if not isinstance(text, str) or not text:
+            raise ExplorerInputError("the prompt is empty: type some text to see the next-token predictions")
+        ids = list(self.tokenizer.encode(text))
+        if not ids:
+            raise ExplorerInputError("the prompt is empty after tokenization: type some text")
+        note = ""
+        ctx = self.model.cfg.max_seq_len
+        if len(ids) > ctx:
+            note = (f"the prompt is {len(ids)} tokens but the model's context is {ctx}: "
+                    f"showing its last {ctx} tokens")
+            ids = ids[-ctx:]
+        V = self.model.cfg.vocab_size
+        if max(ids) >= V or min(ids) < 0:
+            raise ExplorerInputError(f"the tokenizer produced ids up to {max(ids)} but the model's vocab_size is {V}")
+        return np.asarray(ids, dtype=np.int64), note
+
+    def _retrace(self, text: str) -> None:
+        if self.model is None:
+            raise ExplorerInputError("no model loaded")
+        ids, note = self._encode(text)
+        R = self.max_loops
+        labels = [token_label(self.tokenizer, int(i)) for i in ids]
+        view = compute_view(self.model, ids, R, self.top_k, self.dims, labels)
+        self.traces += 1
+        self.view, self.text = view, text
+        notes = [note] if note else []
+        if self.model.horizon_dependent:
+            notes.append(f"this model's loops depend on the total loop count (timestep conditioning): "
+                         f"every loop shown is a loop of one {R}-loop run, not a run of that many loops")
+        if len(ids) == 1:
+            notes.append("a one-token prompt has no next token in it: the loss curve is empty")
+        self._say("\n".join(notes), "warning" if note else "info")
+        self.token = len(ids) - 1  # the last position: its prediction continues the prompt
+        self.loop = min(self.loop, R)
+        self._sync_controls()
+        self._draw_view()
+
+    def set_loop(self, r: int) -> None:
+        """Show loop r (1..max_loops) in every figure by re-slicing the cached view; never runs the model."""
+        r = check_int(r, "loop", 1, self.max_loops)
+        self.loop = r
+        if self.slider.value != r and not self._syncing:
+            self._syncing = True
+            try:
+                self.slider.value = r
+            finally:
+                self._syncing = False
+        self._draw_loop()
+
+    def set_token(self, i: int) -> None:
+        """Follow position i of the prompt (0-based) in the predictions, trajectory and heatmap."""
+        T = len(self.view.tokens) if self.view is not None else 1
+        i = check_int(i, "token", 0, T - 1)
+        self.token = i
+        if self.token_select.value != i and not self._syncing:
+            self._syncing = True
+            try:
+                self.token_select.value = i
+            finally:
+                self._syncing = False
+        self._draw_token()
+
+    def _sync_controls(self) -> None:
+        v = self.view
+        self._syncing = True
+        try:
+            self.slider.max = v.max_loops
+            self.slider.value = self.loop
+            self.token_select.options = [(f"{i}: {lab}", i) for i, lab in enumerate(v.labels)]
+            self.token_select.value = self.token
+            if self.prompt.value != self.text:
+                self.prompt.value = self.text
+        finally:
+            self._syncing = False
+
+    # ---- figures ----------------------------------------------------------------------------------
+    def _build_figures(self) -> dict:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        base = dict(template="plotly_white", margin=dict(l=50, r=20, t=50, b=40))
+        pred = go.FigureWidget(go.Bar(orientation="h", x=[], y=[], text=[], textposition="auto",
+                                      hovertemplate="%{y}: p=%{x:.4f}<extra></extra>"))
+        pred.update_layout(height=380, width=400, xaxis=dict(title="probability", range=[0, 1]),
+                           yaxis=dict(autorange="reversed", type="category"), title=dict(font=dict(size=13)),
+                           **base)
+
+        sub = make_subplots(rows=2, cols=2, subplot_titles=[t for _, t in METRICS],
+                            horizontal_spacing=0.12, vertical_spacing=0.18)
+        curves = go.FigureWidget(sub)
+        for i, (name, title) in enumerate(METRICS):
+            row, col = divmod(i, 2)
+            curves.add_trace(go.Scatter(x=[], y=[], mode="lines", name="mean over tokens", legendgroup="mean",
+                                        showlegend=i == 0, line=dict(color="#1f77b4")), row=row + 1, col=col + 1)
+            curves.add_trace(go.Scatter(x=[], y=[], mode="lines", name="selected token", legendgroup="tok",
+                                        showlegend=i == 0, line=dict(color="#ff7f0e", dash="dot")),
+                             row=row + 1, col=col + 1)
+            curves.add_trace(go.Scatter(x=[], y=[], mode="markers", name="chosen loop", legendgroup="cur",
+                                        showlegend=i == 0, marker=dict(color="#d62728", size=10)),
+                             row=row + 1, col=col + 1)
+        n = len(METRICS)
+        refs = [("x" if i == 0 else f"x{i + 1}", "y domain" if i == 0 else f"y{i + 1} domain") for i in range(n)]
+        # shapes[0:n] mark K (dashed); shapes[n:2n] are the cursor at the chosen loop
+        curves.update_layout(shapes=[_shape_line(1, x, y, "dash", "#888") for x, y in refs]
+                             + [_shape_line(1, x, y, "solid", "#d62728") for x, y in refs])
+        curves.update_layout(height=380, width=720, legend=dict(orientation="h", y=-0.12), **base)
+        curves.update_annotations(font_size=11)
+
+        if self.dims == 3:
+            S = go.Scatter3d
+            marker_small, marker_big = dict(size=2, color="#999", opacity=0.5), dict(size=7, color="#d62728")
+        else:
+            S = go.Scatter
+            marker_small, marker_big = dict(size=5, color="#999", opacity=0.5), dict(size=14, color="#d62728")
+        xyz = dict(x=[], y=[]) if self.dims == 2 else dict(x=[], y=[], z=[])
+        traj = go.FigureWidget([
+            S(**xyz, mode="markers", marker=marker_small, name="all tokens at this loop", text=[],
+              hovertemplate="%{text}<extra></extra>"),
+            S(**xyz, mode="lines+markers", name="selected token, loops 0..R", text=[],
+              marker=dict(size=4 if self.dims == 3 else 7, color=[], colorscale="Viridis", showscale=False),
+              line=dict(color="#888", width=2), hovertemplate="%{text}<extra></extra>"),
+            S(**xyz, mode="markers", name="loop K", marker=dict(size=(6 if self.dims == 3 else 12), color="#2ca02c",
+                                                              symbol="diamond"), hoverinfo="skip"),
+            S(**xyz, mode="markers", name="chosen loop", marker=marker_big, hoverinfo="skip"),
+        ])
+        # uirevision keeps a rotated camera or a zoom across slider moves
+        traj.update_layout(height=440, width=560, uirevision="keep", legend=dict(orientation="h", y=-0.05),
+                           title=dict(font=dict(size=13)), **base)
+
+        heat = go.FigureWidget(go.Heatmap(z=[[]], x=[], y=[], colorscale="Magma",
+                                          colorbar=dict(title=dict(text="log10 rel. update", side="right")),
+                                          hovertemplate="position %{y}, loop %{x}<br>log10 update %{z:.2f}"
+                                                        "<extra></extra>"))
+        heat.update_layout(height=440, width=560, xaxis=dict(title="loop"),
+                           yaxis=dict(title="position", autorange="reversed"),
+                           title=dict(text="relative update per token and loop", font=dict(size=13)),
+                           shapes=[_shape_line(1, "x", "y domain", "solid", "#00e5ff"),
+                                   dict(type="line", x0=0, x1=1, y0=0, y1=0, xref="x domain", yref="y",
+                                        line=dict(color="#00e5ff", width=1, dash="dot"))],
+                           **base)
+        return {"predictions": pred, "curves": curves, "trajectory": traj, "heatmap": heat}
+
+    def _draw_view(self) -> None:
+        """Put a new view's loop-independent data (curves, heatmap, axis ranges) in the figures."""
+        v, R = self.view, self.view.max_loops
+        loops = np.arange(1, R + 1)
+        K = v.training_loops
+        c = self.figures["curves"]
+        with c.batch_update():
+            for i, (name, _) in enumerate(METRICS):
+                c.data[3 * i].x, c.data[3 * i].y = loops, v.curve(name)
+                c.data[3 * i + 1].x = loops
+                c.layout.shapes[i].x0 = c.layout.shapes[i].x1 = K
+            c.update_xaxes(range=[0.5, R + 0.5])
+            c.layout.title = dict(text=f"per-loop drift (dashed: trained at K={K})", font=dict(size=13))
+        h = self.figures["heatmap"]
+        with h.batch_update():
+            z = np.log10(np.maximum(v.token_update.T, 1e-12))
+            h.data[0].z, h.data[0].x, h.data[0].y = z, loops, np.arange(len(v.tokens))
+            h.data[0].text = np.broadcast_to(np.array(v.labels, dtype=object)[:, None], z.shape)
+            h.data[0].hovertemplate = ("position %{y} %{text}, loop %{x}<br>log10 update %{z:.2f}"
+                                       "<extra></extra>")
+        t = self.figures["trajectory"]
+        with t.batch_update():
+            lo, hi = v.proj.reshape(-1, self.dims).min(0), v.proj.reshape(-1, self.dims).max(0)
+            pad = 0.05 * np.maximum(hi - lo, 1e-6)
+            ranges = [[float(a - p), float(b + p)] for a, b, p in zip(lo, hi, pad)]
+            share = ", ".join(f"{100 * s:.0f}%" for s in v.explained)
+            t.layout.title.text = f"hidden state, PCA over all loops and tokens (variance {share})"
+            if self.dims == 3:
+                t.layout.scene = dict(xaxis=dict(range=ranges[0], title="PC1"),
+                                      yaxis=dict(range=ranges[1], title="PC2"),
+                                      zaxis=dict(range=ranges[2], title="PC3"), aspectmode="cube")
+            else:
+                t.layout.xaxis = dict(range=ranges[0], title="PC1")
+                t.layout.yaxis = dict(range=ranges[1], title="PC2")
+            t.data[0].text = v.labels
+        self._draw_token()
+
+    def _draw_token(self) -> None:
+        """Put the selected token's data (its curves, trajectory, heatmap row) in the figures, then the loop."""
+        if self.view is None:
+            return
+        v, i = self.view, self.token
+        c = self.figures["curves"]
+        with c.batch_update():
+            for m, (name, _) in enumerate(METRICS):
+                c.data[3 * m + 1].y = v.token_curve(name)[:, i]
+        t = self.figures["trajectory"]
+        R, K = v.max_loops, v.training_loops
+        path = v.proj[:, i]
+        with t.batch_update():
+            self._set_xyz(t.data[1], path)
+            t.data[1].marker.color = np.arange(R + 1)
+            t.data[1].text = [f"{v.labels[i]} · loop {r}" for r in range(R + 1)]
+            self._set_xyz(t.data[2], path[K:K + 1] if K <= R else path[:0])
+        h = self.figures["heatmap"]
+        with h.batch_update():
+            h.layout.shapes[1].y0 = h.layout.shapes[1].y1 = i
+        self._draw_loop()
+
+    def _set_xyz(self, trace, pts: np.ndarray) -> None:
+        trace.x, trace.y = pts[:, 0], pts[:, 1]
+        if self.dims == 3:
+            trace.z = pts[:, 2]
+
+    def _draw_loop(self) -> None:
+        """Re-slice the cached view at the chosen loop and token: the only work a slider move does."""
+        v = self.view
+        if v is None:
+            return
+        r, i, K = self.loop, self.token, v.training_loops
+        j = r - 1
+        past = (f"extrapolating {r - K} loop{'s' * (r - K != 1)} past K" if r > K else
+                "at the training horizon" if r == K else f"{K - r} loop{'s' * (K - r != 1)} short of K")
+        self.position.value = (f'<span class="wb-explorer-position">loop <b>{r}</b> of {v.max_loops} · '
+                               f'trained at K = {K} · {past}</span>')
+        p = self.figures["predictions"]
+        ids = v.top_ids[j, i]
+        names = [f"{rank + 1}. {token_label(self.tokenizer, int(t))}" for rank, t in enumerate(ids)]
+        nxt = int(v.tokens[i + 1]) if i + 1 < len(v.tokens) else None
+        with p.batch_update():
+            p.data[0].x, p.data[0].y = v.top_p[j, i], names
+            p.data[0].text = [f"{100 * q:.1f}%" for q in v.top_p[j, i]]
+            p.data[0].marker.color = ["#d62728" if int(t) == nxt else "#1f77b4" for t in ids]
+            truth = (f"true next {token_label(self.tokenizer, nxt)}: p={v.target_p[j, i]:.3f}, "
+                     f"rank {int(v.target_rank[j, i])}" if nxt is not None else "end of prompt")
+            p.layout.title.text = (f"after “{html.escape(v.labels[i])}” (position {i}) at loop {r}"
+                                   f"<br><sub>{html.escape(truth)}</sub>")
+        c = self.figures["curves"]
+        n = len(METRICS)
+        with c.batch_update():
+            for m, (name, _) in enumerate(METRICS):
+                c.data[3 * m + 2].x, c.data[3 * m + 2].y = [r], [v.curve(name)[j]]
+                c.layout.shapes[n + m].x0 = c.layout.shapes[n + m].x1 = r
+        t = self.figures["trajectory"]
+        with t.batch_update():
+            self._set_xyz(t.data[0], v.proj[r])
+            self._set_xyz(t.data[3], v.proj[r, i:i + 1])
+        h = self.figures["heatmap"]
+        with h.batch_update():
+            h.layout.shapes[0].x0 = h.layout.shapes[0].x1 = r
