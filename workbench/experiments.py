@@ -1,0 +1,237 @@
+"""Experiment glue the notebooks call: train one config end to end, reopen a run, build law tables.
+
+A training run folder (what `train_run` writes, and what the `train` notebook leaves in a pipeline run):
+
+    <run>/model/            Trainer checkpoints (safetensors + JSON), latest.json, metrics.nc,
+                            tokenizer.json and experiment.json (corpus, tasks, seed: how to rebuild the data)
+    <run>/results.nc        summary Dataset: loss/accuracy per loop, training curve, N_once, N_rec, tokens, ...
+
+`load_run(path)` reopens either the run folder or the model folder; `Run.val_tokens` rebuilds
+validation batches of the same corpus and tokenizer, so probes downstream see held-out text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+import xarray as xr
+
+from .config import LoopConfig
+from .io import atomic_write_bytes, provenance, save_netcdf
+
+TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
+
+
+def _task_examples(tasks: Sequence[str], depths: Sequence[int] | None, n: int, seed: int) -> list:
+    from .data.tasks import make_task
+
+    out = []
+    for name in tasks:
+        for d in (depths or TASK_DEPTHS.get(name, (1,))):
+            if name == "recall":
+                d = 0
+            out.extend(make_task(name, n, d, seed=seed))
+            if name == "recall":
+                break
+    return out
+
+
+def mixed_corpus(corpus: str = "stdlib", tasks: Sequence[str] = (), task_ratio: float = 0.2,
+                 task_depths: Sequence[int] | None = None, n_per_depth: int = 2000, seed: int = 0):
+    """Return a Corpus: the named text source, with synthetic task texts mixed in when `tasks` is non-empty.
+
+    With "recall" among the tasks, the facts it queries (`recall_facts`) are added as training text,
+    so recall measures knowledge stored in the weights.
+    """
+    from .data.corpus import Corpus, load_corpus
+    from .data.tasks import mix_texts, recall_facts
+
+    base = load_corpus(corpus)
+    if not tasks:
+        return base
+    examples = _task_examples(tasks, task_depths, n_per_depth, seed)
+    texts = [ex.text for ex in examples]
+    if "recall" in tasks:
+        texts += recall_facts(100, seed=seed) * 5
+    key = hashlib.sha256(json.dumps([base.content_hash, sorted(tasks), task_ratio, list(task_depths or []),
+                                     n_per_depth, seed]).encode()).hexdigest()
+
+    def documents():
+        return iter(mix_texts(list(base.documents()), texts, task_ratio, seed=seed))
+
+    return Corpus(f"{corpus}+{'+'.join(tasks)}", documents, fingerprint=key,
+                  options={"tasks": ",".join(tasks), "task_ratio": task_ratio, "seed": seed})
+
+
+@dataclass
+class Run:
+    """A trained model reopened from its run folder: model, tokenizer and how its data was made."""
+
+    model: Any
+    tokenizer: Any
+    experiment: dict
+    path: Path
+    _data: Any = field(default=None, repr=False)
+
+    def data(self):
+        """Return the TokenData (train/val token arrays) of the run's corpus and tokenizer (cached on disk)."""
+        if self._data is None:
+            from .data.corpus import tokenize_corpus
+
+            e = self.experiment
+            corpus = mixed_corpus(e["corpus"], e.get("tasks", []), e.get("task_ratio", 0.2),
+                                  e.get("task_depths") or None, seed=e.get("seed", 0))
+            self._data = tokenize_corpus(corpus, self.tokenizer, progress=False)
+        return self._data
+
+    def val_tokens(self, n: int = 8, seq_len: int = 128, seed: int = 0) -> torch.Tensor:
+        """Return n held-out validation windows [n, seq_len + 1] (LongTensor) of the run's corpus."""
+        from .data.corpus import BatchSampler
+
+        seq_len = min(seq_len, self.model.cfg.max_seq_len)
+        return next(BatchSampler(np.asarray(self.data().val), n, seq_len, seed=seed))
+
+    def task_examples(self, n: int = 64, seed: int = 1_000_003) -> list:
+        """Return held-out task examples (a seed the training mix never used) of the run's tasks."""
+        e = self.experiment
+        return _task_examples(e.get("tasks", []), e.get("task_depths") or None, n, seed)
+
+
+def load_run(path: str | os.PathLike, device=None) -> Run:
+    """Return the Run saved at `path` (a run folder holding model/, or the model folder itself)."""
+    from .data.corpus import Tokenizer
+    from .train import load_model
+
+    path = Path(path)
+    if not str(path):
+        raise ValueError("checkpoint='' is invalid: give the folder of a training run (e.g. a pipeline's "
+                         "runs/<pipeline>/train/<key>) or its model/ folder")
+    model_dir = path / "model" if (path / "model").is_dir() else path
+    if not (model_dir / "experiment.json").exists():
+        raise FileNotFoundError(f"checkpoint={str(path)!r} is not a training run: no experiment.json in "
+                                f"{model_dir} (write one with workbench.experiments.train_run or the train notebook)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, device=device).eval()
+    tok = Tokenizer.load(model_dir / "tokenizer.json")
+    return Run(model, tok, json.loads((model_dir / "experiment.json").read_text()), path)
+
+
+def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
+              tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
+              eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False) -> tuple[Run, xr.Dataset]:
+    """Return (Run, results Dataset) after training LoopConfig(**model) with TrainConfig(**train) on a corpus.
+
+    Resumes from the checkpoint in `out_dir/model` when one exists (an interrupted pipeline run picks
+    up where it stopped). Results: validation loss and accuracy per loop (below, at and beyond K), the
+    training curve, the parameter split N_once / N_rec, tokens seen, and per-loop task accuracy when
+    tasks are mixed in. The same data is written to `out_dir/results.nc`.
+    """
+    from .data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
+    from .evals import loop_sweep
+    from .train import Trainer, TrainConfig, latest_checkpoint
+
+    out, model_dir = Path(out_dir), Path(out_dir) / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed)
+    tok_path = model_dir / "tokenizer.json"
+    if tok_path.exists():
+        tok = Tokenizer.load(tok_path)
+    else:
+        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=seed)
+        tok.save(tok_path)
+    data = tokenize_corpus(text, tok, progress=progress)
+    experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
+                  "task_depths": list(task_depths or []), "seed": seed, "vocab_size": tok.vocab_size}
+    atomic_write_bytes(model_dir / "experiment.json", json.dumps(experiment, indent=1).encode())
+
+    cfg = LoopConfig.from_dict({"vocab_size": tok.vocab_size, **model})
+    tfields = {"seed": seed, "progress": progress, **train}
+    if tfields.get("eval_loops") is not None:
+        tfields["eval_loops"] = tuple(tfields["eval_loops"])
+    tc = TrainConfig(**tfields)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, tc, data.train, data.val, out_dir=model_dir, resume=latest_checkpoint(model_dir) is not None)
+    metrics = trainer.run()
+    wall = time.perf_counter() - t0
+    net = trainer.model.eval()
+    K = cfg.loops
+    loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]))
+    val = torch.cat(trainer.val_batches)
+    sweep = loop_sweep(net, val, loops, progress=False)
+    run = Run(net, tok, experiment, out, data)
+
+    r_train = float(np.mean(metrics.loops.values))
+    k_train = float(np.mean(metrics.backward_loops.values))
+    pc = net.param_counts()
+    steps = int(metrics.sizes["step"])
+    ds = xr.Dataset(
+        {"loss": sweep["loss"].assign_attrs(long_name="validation loss (nats/token)"),
+         "accuracy": sweep["accuracy"].assign_attrs(long_name="validation next-token accuracy"),
+         "train_loss": ("step", metrics.loss.values, {"long_name": "training loss"}),
+         "lr": ("step", metrics.lr.values)},
+        coords={"step": metrics.step.values})
+    if "eval_loss" in metrics:
+        # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
+        ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
+    tokens_seen = steps * tc.batch_size * tc.seq_len
+    at_k = float(sweep["loss"].sel(loop=K)) if K in loops else float("nan")
+    scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
+               "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
+               "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),
+               "wall_s": wall}
+    for k, v in scalars.items():
+        ds[k] = ((), float(v))
+    if tasks:
+        ex = run.task_examples()
+        ts = loop_sweep(net, ex, loops, tokenizer=tok, progress=False)
+        ds["task_accuracy"] = ts["accuracy"]
+        ds["task_count"] = ts["count"]
+        ds["group_accuracy"] = ts["group_accuracy"]
+    ds.attrs = provenance(cfg, seed, train_config=tc.to_json(), corpus=corpus, tasks=",".join(tasks),
+                          training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
+                          **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))})
+    save_netcdf(ds, out / "results.nc")
+    return run, ds
+
+
+def law_table(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
+    """Return one row per training run (n_once, n_rec, loops, backward_loops, tokens, loss, and its config).
+
+    `loss` is the run's validation loss at its training loop count K (`final_loss` of results.nc);
+    `loops` and `backward_loops` are the mean r and k the run trained with. Config fields (d_model,
+    hyper, inject, ...) come from the run's config so the table can be grouped by them.
+    """
+    rows = []
+    for d in run_dirs:
+        path = Path(d) / "results.nc"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: is {d} a finished training run?")
+        with xr.open_dataset(path, engine="h5netcdf") as ds:
+            cfg = json.loads(ds.attrs["config_json"])
+            row = {"run": Path(d).name, "n_once": float(ds.n_once), "n_rec": float(ds.n_rec),
+                   "loops": float(ds.train_loops), "backward_loops": float(ds.backward_loops),
+                   "tokens": float(ds.tokens), "loss": float(ds.final_loss)}
+            row.update({k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))})
+            row["loops"] = float(ds.train_loops)  # the config's K is the same number; keep the measured mean
+            rows.append(row)
+    if not rows:
+        raise ValueError("run_dirs is empty: a law needs at least one finished training run")
+    return pd.DataFrame(rows)
+
+
+def sweep_table(run_dirs: Sequence[str | os.PathLike], var: str = "loss") -> xr.DataArray:
+    """Return ds[var] of every run's results.nc stacked along a new dim `run` (coords: run folder names)."""
+    arrays = []
+    for d in run_dirs:
+        with xr.open_dataset(Path(d) / "results.nc", engine="h5netcdf") as ds:
+            arrays.append(ds[var].load())
+    return xr.concat(arrays, dim="run", join="outer").assign_coords(run=[Path(d).name for d in run_dirs])
