@@ -179,14 +179,17 @@ def check_fit(model: LoopLM, tokenizer) -> None:
 def open_model(checkpoint: str = "", runs_dir: str | os.PathLike = "runs", train_steps: int = 120,
                seed: int = 0, progress: bool = True) -> tuple[LoopLM, object, str]:
     """Return (model, tokenizer, where it came from): the checkpoint given, else the newest quickstart
-    run under runs_dir, else a tiny byte-level model trained for train_steps (what explorer.ipynb does)."""
+    run under runs_dir (or ../runs_dir), else a tiny byte-level model trained for train_steps."""
     if checkpoint:
         model, tok = load_checkpoint(checkpoint)
         return model, tok, f"checkpoint {checkpoint}"
-    found = find_quickstart_checkpoint(runs_dir)
-    if found is not None:
-        model, tok = load_checkpoint(found)
-        return model, tok, f"quickstart checkpoint {found}"
+    runs = Path(runs_dir)
+    # a notebook opened from notebooks/ runs there, while pipelines write runs/ at the repository root
+    for where in [runs] if runs.is_absolute() else [runs, Path("..") / runs]:
+        found = find_quickstart_checkpoint(where)
+        if found is not None:
+            model, tok = load_checkpoint(found)
+            return model, tok, f"quickstart checkpoint {found}"
     model, tok = tiny_model(train_steps, seed, progress=progress)
     return model, tok, f"tiny byte-level model trained here for {train_steps} steps (no quickstart run in {runs_dir})"
 
@@ -227,6 +230,13 @@ class LoopView:
     def token_curve(self, name: str) -> np.ndarray:
         """Return the per-position curves [R, T] of a metric in METRICS."""
         return getattr(self, "token_" + name)
+
+    def to_frame(self):
+        """Return a pandas DataFrame of the mean curves (columns: METRICS) indexed by loop 1..R."""
+        import pandas as pd
+
+        return pd.DataFrame({name: self.curve(name) for name, _ in METRICS},
+                            index=pd.Index(np.arange(1, self.max_loops + 1), name="loop"))
 
 
 def _pca(states: torch.Tensor, dims: int) -> tuple[np.ndarray, np.ndarray]:
