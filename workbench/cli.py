@@ -76,6 +76,35 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline_cmd(args: argparse.Namespace) -> int:
+    """Return the exit status of a pipeline command: run, status, report or clean."""
+    from . import pipeline
+
+    try:
+        if args.cmd == "run":
+            result = pipeline.run(args.spec, profile=args.profile, jobs=args.jobs, executor=args.executor,
+                                  scheduler=args.scheduler, runs_dir=args.runs)
+            return 0 if result.ok else 1
+        if args.cmd == "status":
+            rows = pipeline.status(args.spec, profile=args.profile, runs_dir=args.runs)
+            for r in rows:
+                secs = f"{r['seconds']:8.1f} s" if r["seconds"] is not None else " " * 10
+                err = f"  {r['error'].splitlines()[0]}" if r["error"] else ""
+                print(f"{r['step']:<16} {r['key']}  {r['state']:<8}{secs}{err}")
+            counts = {s: sum(r["state"] == s for r in rows) for s in ("done", "failed", "partial", "pending")}
+            print(", ".join(f"{n} {s}" for s, n in counts.items()))
+            return 0 if counts["done"] == len(rows) else 1
+        if args.cmd == "report":
+            print(pipeline.report(args.spec, profile=args.profile, runs_dir=args.runs))
+            return 0
+        removed = pipeline.clean(args.spec, runs_dir=args.runs, failed_only=args.failed)
+        print(f"removed {len(removed)} folder(s)" + "".join(f"\n  {p}" for p in removed))
+        return 0
+    except pipeline.PipelineError as e:
+        print(f"workbench {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `workbench` command line and return its exit status."""
     parser = argparse.ArgumentParser(prog="workbench", description="Looped-LM workbench")
@@ -96,7 +125,24 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seed", type=int, help="seed (overrides the train config)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    for name, text in (("run", "run a pipeline's notebooks (skips runs that already completed)"),
+                       ("status", "show each run of a pipeline: done, failed, partial or pending"),
+                       ("report", "(re)write runs/<pipeline>/report.html"),
+                       ("clean", "delete a pipeline's runs")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("spec", help="pipeline name (pipelines/<name>.yaml) or path to a YAML spec")
+        c.add_argument("--runs", default="runs", help="folder holding runs/<pipeline>/... (default ./runs)")
+        if name != "clean":
+            c.add_argument("--profile", help="a profile of the spec, e.g. smoke")
+        if name == "run":
+            c.add_argument("--jobs", type=int, default=1, help="runs executed at once (local executor)")
+            c.add_argument("--executor", default="local", choices=("local", "dask"), help="where runs execute")
+            c.add_argument("--scheduler", help="Dask scheduler address for --executor dask")
+        if name == "clean":
+            c.add_argument("--failed", action="store_true", help="only failed and partial runs")
     args = parser.parse_args(argv)
+    if args.cmd in ("run", "status", "report", "clean"):
+        return _pipeline_cmd(args)
     if args.cmd == "train":
         return train(args)
     if args.cmd == "demo":

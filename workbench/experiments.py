@@ -204,7 +204,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
 
 
 def law_table(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
-    """Return one row per training run (n_once, n_rec, loops, backward_loops, tokens, loss, and its config).
+    """Return one row per training run (n_once, n_rec, loops, backward_loops, truncated, tokens, loss, config).
 
     `loss` is the run's validation loss at its training loop count K (`final_loss` of results.nc);
     `loops` and `backward_loops` are the mean r and k the run trained with. Config fields (d_model,
@@ -222,6 +222,7 @@ def law_table(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
                    "tokens": float(ds.tokens), "loss": float(ds.final_loss)}
             row.update({k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))})
             row["loops"] = float(ds.train_loops)  # the config's K is the same number; keep the measured mean
+            row["truncated"] = bool(row["backward_loops"] < row["loops"])
             rows.append(row)
     if not rows:
         raise ValueError("run_dirs is empty: a law needs at least one finished training run")

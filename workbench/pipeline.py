@@ -278,7 +278,9 @@ def expand(pipe: Pipeline, runs_dir: str | os.PathLike = "runs") -> list[RunJob]
         if step.each:
             (up, _), = step.each.items()
             sources = [[u] for u in by_step[up]]
-        gathered = {param: by_step[up] for up, param in step.gather.items()}
+        gathered: dict[str, list[RunJob]] = {}
+        for up, param in step.gather.items():  # several steps may feed one parameter: their runs in order
+            gathered.setdefault(param, []).extend(by_step[up])
         jobs = []
         for src in sources:
             for combo in _combos(step):
@@ -575,7 +577,7 @@ def _drop_upstream(pipe: Pipeline, job: RunJob, bad: set[str]) -> RunJob:
     params = dict(job.params)
     keyed = dict(job.params)
     upstream = [k for k in job.upstream if k not in bad]
-    for _, param in step.gather.items():
+    for param in set(step.gather.values()):
         dirs = [d for d in params[param] if Path(d).name not in bad]
         params[param] = dirs
         keyed[param] = [f"run:{Path(d).name}" for d in dirs]

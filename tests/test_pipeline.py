@@ -1,0 +1,259 @@
+"""The pipeline runner: validation before running, keys and skipping, failure isolation, concurrency, Dask.
+
+These tests use a tiny notebook (no torch) so the mechanics are tested in seconds; the shipped
+notebooks and pipelines run in test_notebooks.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from workbench import pipeline
+from workbench.cli import main as cli
+
+PARAMS = textwrap.dedent("""\
+    x: int = 1  # a number the run writes out
+    scale: float = 1.0  # multiplies x
+    fail: bool = False  # raise inside the notebook
+    log: str = ""  # file each execution appends a line to (counts executions)
+    inputs: list = []  # folders of upstream runs
+    upstream: str = ""  # folder of one upstream run
+    out_dir: str = "."  # the run folder""")
+BODY = textwrap.dedent("""\
+    import json, os, time
+    from pathlib import Path
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{x} {os.getppid()}\\n")  # the kernel's parent: whoever launched it
+    if fail:
+        raise RuntimeError(f"asked to fail at x={x}")
+    total = x * scale + sum(json.loads((Path(d) / "out.json").read_text())["value"] for d in inputs)
+    if upstream:
+        total += json.loads((Path(upstream) / "out.json").read_text())["value"]
+    Path(out_dir, "out.json").write_text(json.dumps({"value": total}))
+    print("value", total)""")
+
+
+def write_notebook(path: Path, body: str = BODY, params: str = PARAMS) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cell = nbformat.v4.new_code_cell(params)
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [cell, nbformat.v4.new_code_cell(body)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def write_spec(tmp: Path, text: str, name: str = "spec.yaml") -> Path:
+    p = tmp / "pipelines" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+@pytest.fixture
+def project(tmp_path):
+    write_notebook(tmp_path / "notebooks" / "tiny.ipynb")
+    return tmp_path
+
+
+SPEC = """\
+name: demo
+steps:
+  - name: a
+    notebook: tiny
+    params: {log: LOG}
+    grid: {x: [1, 2, 3]}
+  - name: b
+    notebook: tiny
+    each: {a: upstream}
+    params: {scale: 10.0, log: LOG}
+  - name: total
+    notebook: tiny
+    gather: {b: inputs}
+    params: {x: 0, log: LOG}
+profiles:
+  small:
+    a: {grid: {x: [5]}}
+"""
+
+
+def spec(project, text=SPEC, name="spec.yaml"):
+    return write_spec(project, text.replace("LOG", str(project / "log.txt")), name)
+
+
+def executions(project) -> int:
+    p = project / "log.txt"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def value(run_dir) -> float:
+    return json.loads((Path(run_dir) / "out.json").read_text())["value"]
+
+
+def test_run_chains_steps_and_rerun_skips_everything(project):
+    s = spec(project)
+    runs = project / "runs"
+    result = pipeline.run(s, runs_dir=runs, log=None)
+    assert result.ok and len(result.records) == 7
+    assert executions(project) == 7
+    # total = sum over x of (x*1 [a] ... b = 0*10 + a's value): b's value is x (from a) + its own x (1) * 10
+    total = pipeline.find_runs("demo", "total", runs)
+    assert len(total) == 1
+    assert value(total[0]) == sum(x + 10.0 for x in (1, 2, 3))
+    rec = json.loads((total[0] / "run.json").read_text())
+    assert rec["status"] == "done" and len(rec["upstream"]) == 3
+    assert (total[0] / "notebook.ipynb").exists()
+
+    again = pipeline.run(s, runs_dir=runs, log=None)
+    assert again.ok and again.count("done", skipped=True) == 7
+    assert executions(project) == 7  # nothing executed
+
+
+def test_changed_parameter_or_notebook_reruns_only_what_changed(project):
+    s = spec(project)
+    runs = project / "runs"
+    pipeline.run(s, runs_dir=runs, log=None)
+    # one grid value changes: its a-run, the b-run fed by it and the gather step rerun (3); 2+2 stay
+    s.write_text(s.read_text().replace("grid: {x: [1, 2, 3]}", "grid: {x: [1, 2, 4]}"))
+    r = pipeline.run(s, runs_dir=runs, log=None)
+    assert r.count("done", skipped=False) == 3 and r.count("done", skipped=True) == 4
+    assert executions(project) == 10
+    assert value(pipeline.find_runs("demo", "total", runs)[-1]) == sum(x + 10.0 for x in (1, 2, 4))
+    # editing the notebook's code reruns every run of every step that uses it
+    write_notebook(project / "notebooks" / "tiny.ipynb", BODY + "\nprint('edited')")
+    r = pipeline.run(s, runs_dir=runs, log=None)
+    assert r.count("done", skipped=False) == 7
+    # outputs of the notebook do not enter the key: re-saving an executed copy changes nothing
+    nb = nbformat.read(project / "notebooks" / "tiny.ipynb", as_version=4)
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="noise")]
+    nbformat.write(nb, project / "notebooks" / "tiny.ipynb")
+    assert pipeline.run(s, runs_dir=runs, log=None).count("done", skipped=True) == 7
+
+
+def test_profile_overrides_grid(project):
+    s = spec(project)
+    jobs = pipeline.expand(pipeline.load_spec(s, "small"), project / "runs")
+    assert [j.params["x"] for j in jobs if j.step == "a"] == [5]
+    with pytest.raises(pipeline.PipelineError, match="profile='huge' is not defined.*small"):
+        pipeline.load_spec(s, "huge")
+
+
+@pytest.mark.parametrize("change, message", [
+    ("params: {sclae: 10.0, log: LOG}", "unknown parameter 'sclae'"),
+    ("params: {scale: ten, log: LOG}", "scale='ten' has type str; tiny.ipynb declares scale: float"),
+    ("params: {scale: 10.0, log: LOG, x: true}", "x=True has type bool; tiny.ipynb declares x: int"),
+    ("params: {scale: 10.0, log: LOG, out_dir: elsewhere}", "'out_dir' is set by the runner"),
+])
+def test_bad_parameters_are_rejected_before_anything_runs(project, change, message):
+    s = spec(project, SPEC.replace("params: {scale: 10.0, log: LOG}", change))
+    with pytest.raises(pipeline.PipelineError, match=message):
+        pipeline.run(s, runs_dir=project / "runs", log=None)
+    assert executions(project) == 0 and not (project / "runs").exists()
+    assert cli(["run", str(s), "--runs", str(project / "runs")]) == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: x\nsteps:\n  - {name: a, notebook: tiny, colour: red}\n", "unknown key 'colour'"),
+    ("name: x\nsteps:\n  - {name: a, notebook: nope}\n", "notebook='nope' not found"),
+    ("name: x\nsteps:\n  - {name: a, notebook: tiny, each: {b: upstream}}\n  - {name: b, notebook: tiny}\n",
+     "each names step 'b', which is not an earlier step"),
+    ("name: x\nsteps:\n  - {name: a, notebook: tiny, grid: {x: []}}\n", "grid.x=\\[\\] is invalid"),
+    ("name: x\nsteps: []\n", "steps=\\[\\] is invalid"),
+    ("name: x\nsteps:\n  - {name: a, notebook: tiny}\nprofiles: {s: {zz: {params: {x: 1}}}}\n", None),
+])
+def test_malformed_specs_name_the_problem(project, text, message):
+    s = write_spec(project, text)
+    if message is None:  # a profile naming a step the spec lacks
+        with pytest.raises(pipeline.PipelineError, match="names step 'zz'"):
+            pipeline.load_spec(s, "s")
+        return
+    with pytest.raises(pipeline.PipelineError, match=message):
+        pipeline.load_spec(s)
+
+
+def test_failed_run_is_recorded_others_go_on_and_exit_is_nonzero(project, capsys):
+    text = SPEC.replace("grid: {x: [1, 2, 3]}", "grid: {x: [1, 2, 3]}\n    cases: [{fail: false}, {fail: true}]")
+    s = spec(project, text)
+    runs = project / "runs"
+    assert cli(["run", str(s), "--runs", str(runs), "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "3 failed" in out and "RuntimeError: asked to fail" in out
+    rows = pipeline.status(s, runs_dir=runs)
+    a = [r for r in rows if r["step"] == "a"]
+    assert sorted(r["state"] for r in a) == ["done"] * 3 + ["failed"] * 3
+    failed = [r for r in a if r["state"] == "failed"]
+    for r in failed:  # the error and the output notebook are kept
+        assert "asked to fail" in r["error"]
+        nb = nbformat.read(Path(r["dir"]) / "notebook.ipynb", as_version=4)
+        assert any(o.get("ename") == "RuntimeError" for c in nb.cells for o in c.get("outputs", []))
+    b = [r for r in rows if r["step"] == "b"]
+    assert sorted(r["state"] for r in b) == ["done"] * 3 + ["pending"] * 3  # blocked runs never started
+    # the gather step ran on the runs that completed
+    total = pipeline.find_runs("demo", "total", runs)
+    assert len(total) == 1 and value(total[0]) == sum(x + 10.0 for x in (1, 2, 3))
+    report = (runs / "demo" / "report.html").read_text()
+    assert report.count('class="failed"') == 3 and "asked to fail" in report
+    # `clean --failed` removes exactly the failed runs
+    assert cli(["clean", str(s), "--runs", str(runs), "--failed"]) == 0
+    assert all(not Path(r["dir"]).exists() for r in failed)
+    assert len(pipeline.find_runs("demo", "a", runs)) == 3
+
+
+def test_interrupted_run_restarts_in_its_folder(project):
+    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: tiny, params: {x: 7}}\n")
+    job, = pipeline.expand(pipeline.load_spec(s), project / "runs")
+    partial = job.dir.parent / f".{job.dir.name}.partial"
+    partial.mkdir(parents=True)
+    (partial / "checkpoint.bin").write_bytes(b"progress so far")  # what a killed run leaves behind
+    assert pipeline.status(s, runs_dir=project / "runs")[0]["state"] == "partial"
+    assert pipeline.run(s, runs_dir=project / "runs", log=None).ok
+    assert (job.dir / "checkpoint.bin").read_bytes() == b"progress so far" and not partial.exists()
+    assert value(job.dir) == 7
+
+
+def test_report_links_every_run_and_renders_notebooks(project):
+    s = spec(project)
+    runs = project / "runs"
+    pipeline.run(s, runs_dir=runs, log=None)
+    html = (runs / "demo" / "report.html").read_text()
+    for job in pipeline.expand(pipeline.load_spec(s), runs):
+        assert job.key in html
+        page = job.dir / "notebook.html"
+        assert page.exists() and '<script src="../../plotly.min.js">' in page.read_text()
+    assert (runs / "demo" / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def test_two_pipelines_at_once_do_not_clobber(project):
+    """Two different pipelines and the same pipeline twice, all at once in separate processes."""
+    s1 = spec(project, SPEC, "one.yaml")
+    s2 = spec(project, SPEC.replace("name: demo", "name: other").replace("x: [1, 2, 3]", "x: [4, 5]"), "two.yaml")
+    runs = project / "runs"
+    cmd = [sys.executable, "-m", "workbench.cli", "run", "--runs", str(runs)]
+    procs = [subprocess.Popen(cmd + [str(s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for s in (s1, s2, s1)]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    # demo's 7 runs executed once although two runners raced over them; other's 5 once
+    assert executions(project) == 7 + 5
+    assert value(pipeline.find_runs("demo", "total", runs)[0]) == sum(x + 10.0 for x in (1, 2, 3))
+    assert value(pipeline.find_runs("other", "total", runs)[0]) == sum(x + 10.0 for x in (4, 5))
+    assert not list(runs.glob("*/*/.*.partial"))
+
+
+def test_dask_executor_on_a_local_cluster(project):
+    distributed = pytest.importorskip("distributed")
+    s = spec(project)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c:
+        result = pipeline.run(s, runs_dir=project / "runs", executor="dask", scheduler=c.scheduler_address, log=None)
+    assert result.ok and executions(project) == 7
+    pids = {line.split()[1] for line in (project / "log.txt").read_text().splitlines()}
+    assert str(os.getpid()) not in pids  # the Dask workers launched the kernels, not this process
+    assert value(pipeline.find_runs("demo", "total", project / "runs")[0]) == sum(x + 10.0 for x in (1, 2, 3))
