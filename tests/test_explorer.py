@@ -258,7 +258,7 @@ def test_checkpoints_from_quickstart_runs(tmp_path):
 
 
 def test_tiny_model_trains_and_explores():
-    model, tok = tiny_model(steps=3, seed=0, progress=False)
+    model, tok = tiny_model(steps=1, seed=0, progress=False)
     assert model.cfg.vocab_size == 256 and tok.decode(tok.encode("é ok")) == "é ok"
     ex = LoopExplorer(model, tok, text="import os\n", max_loops=6)
     assert ex.view.max_loops == 6 and ex.view.labels[-1] == "\\n"

@@ -381,8 +381,9 @@ class LoopExplorer:
             W.HBox([self.slider, self.position]),
             self.token_select,
             self.status,
-            W.HBox([f["predictions"], f["curves"]]),
-            W.HBox([f["trajectory"], f["heatmap"]]),
+            # rows wrap on a narrow page rather than clip the figures
+            W.HBox([f["predictions"], f["curves"]], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([f["trajectory"], f["heatmap"]], layout=W.Layout(flex_flow="row wrap")),
         ])
         self.widget.add_class("wb-explorer")
         self.text = text
@@ -532,7 +533,7 @@ class LoopExplorer:
         base = dict(template="plotly_white", margin=dict(l=50, r=20, t=50, b=40))
         pred = go.FigureWidget(go.Bar(orientation="h", x=[], y=[], text=[], textposition="auto",
                                       hovertemplate="%{y}: p=%{x:.4f}<extra></extra>"))
-        pred.update_layout(height=380, width=400, xaxis=dict(title="probability", range=[0, 1]),
+        pred.update_layout(height=380, width=360, xaxis=dict(title="probability", range=[0, 1]),
                            yaxis=dict(autorange="reversed", type="category"), title=dict(font=dict(size=13)),
                            **base)
 
@@ -554,7 +555,7 @@ class LoopExplorer:
         # shapes[0:n] mark K (dashed); shapes[n:2n] are the cursor at the chosen loop
         curves.update_layout(shapes=[_shape_line(1, x, y, "dash", "#888") for x, y in refs]
                              + [_shape_line(1, x, y, "solid", "#d62728") for x, y in refs])
-        curves.update_layout(height=380, width=720, legend=dict(orientation="h", y=-0.12), **base)
+        curves.update_layout(height=380, width=660, legend=dict(orientation="h", y=-0.12), **base)
         curves.update_annotations(font_size=11)
 
         if self.dims == 3:
@@ -575,14 +576,14 @@ class LoopExplorer:
             S(**xyz, mode="markers", name="chosen loop", marker=marker_big, hoverinfo="skip"),
         ])
         # uirevision keeps a rotated camera or a zoom across slider moves
-        traj.update_layout(height=440, width=560, uirevision="keep", legend=dict(orientation="h", y=-0.05),
+        traj.update_layout(height=440, width=500, uirevision="keep", legend=dict(orientation="h", y=-0.05),
                            title=dict(font=dict(size=13)), **base)
 
         heat = go.FigureWidget(go.Heatmap(z=[[]], x=[], y=[], colorscale="Magma",
-                                          colorbar=dict(title=dict(text="log10 rel. update", side="right")),
+                                          colorbar=dict(title=dict(text="log10 update", side="right"), thickness=14),
                                           hovertemplate="position %{y}, loop %{x}<br>log10 update %{z:.2f}"
                                                         "<extra></extra>"))
-        heat.update_layout(height=440, width=560, xaxis=dict(title="loop"),
+        heat.update_layout(height=440, width=520, xaxis=dict(title="loop"),
                            yaxis=dict(title="position", autorange="reversed"),
                            title=dict(text="relative update per token and loop", font=dict(size=13)),
                            shapes=[_shape_line(1, "x", "y domain", "solid", "#00e5ff"),
