@@ -243,14 +243,23 @@ def _pca(states: torch.Tensor, dims: int) -> tuple[np.ndarray, np.ndarray]:
     """Return (projection [R+1, T, dims], explained variance shares [dims]) of states [R+1, T, d]."""
     X = states.reshape(-1, states.shape[-1]).double()
     Xc = X - X.mean(0)
-    _, S, Vh = torch.linalg.svd(Xc, full_matrices=False)
-    k = min(dims, Vh.shape[0])
-    V = Vh[:k]
+    # eigenvectors of the d x d scatter matrix: the same axes as an SVD of the (R+1)T x d data, ~10x faster;
+    # on one thread, because a matrix this small gains nothing from more and LAPACK's threads spin for
+    # up to a second on a loaded machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        var, vecs = torch.linalg.eigh((Xc.T @ Xc).cpu())
+    finally:
+        torch.set_num_threads(threads)
+    var, vecs = var.to(Xc.device), vecs.to(Xc.device)
+    var, vecs = var.flip(0).clamp_min(0), vecs.flip(1)  # eigh sorts ascending
+    k = min(dims, Xc.shape[0], Xc.shape[1])
+    V = vecs[:, :k].T
     # a component's sign is arbitrary; fix it so the same states always draw the same picture
     signs = torch.sign(V.gather(1, V.abs().argmax(1, keepdim=True)))
     V = V * torch.where(signs == 0, 1.0, signs)
     P = Xc @ V.T
-    var = S.square()
     share = (var[:k] / var.sum().clamp_min(1e-300)).cpu().numpy()
     if k < dims:  # fewer points or features than dims: the missing axes are flat
         P = torch.cat([P, P.new_zeros(P.shape[0], dims - k)], 1)
