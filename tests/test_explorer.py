@@ -216,6 +216,11 @@ def test_bad_input_shows_a_message_not_a_traceback(tmp_path):
     # the widget still works afterwards
     ex.prompt.value = "fine again"
     assert ex.message == "" and ex.traces == 3
+    # an empty prompt at construction: the model is there, the first prompt typed is traced
+    ex3 = LoopExplorer(model, CharTokenizer(), text="", max_loops=4, device="cpu")
+    assert "empty" in ex3.message and ex3.view is None and ex3.model is model
+    ex3.prompt.value = "now"
+    assert ex3.message == "" and len(ex3.view.tokens) == 3 and ex3.traces == 1
     # a bad checkpoint at construction: the widget shows the message, the figures stay empty
     ex2 = LoopExplorer(str(tmp_path / "missing"), device="cpu")
     assert "no checkpoint" in ex2.message and ex2.view is None

@@ -441,18 +441,18 @@ class LoopExplorer:
             check_fit(model, tokenizer)
             model = model.to(self.device)
             source = ""
-        old = (self.model, self.tokenizer)
+        old = (self.model, self.tokenizer, self.source.value)
         self.model, self.tokenizer = model, tokenizer
-        try:
-            self._retrace(self.text)
-        except ExplorerInputError:
-            if self.view is None:  # nothing to fall back to: show the model with its message
-                raise
-            self.model, self.tokenizer = old
-            raise
         c = model.cfg
         self.source.value = html.escape(f"{source}{c.notation} · d={c.d_model} · vocab={c.vocab_size} · "
                                         f"context {c.max_seq_len} · trained at K={c.loops} · {self.device}")
+        try:
+            self._retrace(self.text)
+        except Exception:
+            # keep the model whose view is on screen; with none yet, keep the new one so a prompt can follow
+            if self.view is not None:
+                self.model, self.tokenizer, self.source.value = old
+            raise
 
     def set_text(self, text: str) -> None:
         """Trace a new prompt once (to max_loops) and redraw every figure from the cache."""
