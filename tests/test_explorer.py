@@ -81,11 +81,12 @@ def test_readout_chunks_do_not_change_the_numbers(monkeypatch):
 
     model, ids = model_(), tokens(seed=4, B=1, T=9)[0].numpy()
     whole = compute_view(model, ids, 7)
-    monkeypatch.setattr(E, "_LOGIT_BUDGET", 9 * V * 2)  # two loops per readout chunk
-    chunked = compute_view(model, ids, 7)
-    for name in ("loss", "kl_prev", "token_kl_prev", "top_p", "target_p"):
-        np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-6, atol=1e-8)
-    np.testing.assert_array_equal(chunked.top_ids, whole.top_ids)
+    for per_chunk in (1, 2, 3):  # loops per readout chunk
+        monkeypatch.setattr(E, "_LOGIT_BUDGET", 9 * V * per_chunk)
+        chunked = compute_view(model, ids, 7)
+        for name in ("loss", "kl_prev", "token_kl_prev", "top_p", "target_p", "target_rank"):
+            np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-6, atol=1e-8)
+        np.testing.assert_array_equal(chunked.top_ids, whole.top_ids)
 
 
 def test_pca_is_fitted_on_all_loops_and_tokens():
