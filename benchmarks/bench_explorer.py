@@ -5,6 +5,7 @@ Run from the repository root:
     python benchmarks/bench_explorer.py                      # quickstart-sized model, random weights
     python benchmarks/bench_explorer.py --checkpoint runs/quickstart/train/<key>/model
     python benchmarks/bench_explorer.py --quick
+    python benchmarks/bench_explorer.py --threads 1           # on a machine shared with other work
 
 Measured, in Python (no browser; the widget comms have no kernel on the other end):
   1  slider change -> figure data updated: `explorer.slider.value = r` returns after set_loop has
@@ -69,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", help="a checkpoint / run folder instead of the random quickstart-sized model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice, not changed)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     moves, traces = (64, 3) if args.quick else (320, 7)
 
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"date          : {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"python        : {platform.python_version()}   torch: {torch.__version__}")
     print(f"cpu           : {cpu_model()}  ({os.cpu_count()} logical cores)   load: {os.getloadavg()[0]:.1f}")
-    print(f"torch threads : {torch.get_num_threads()} (default, not changed)")
+    how = "set by --threads" if args.threads else "default, not changed"
+    print(f"torch threads : {torch.get_num_threads()} ({how})")
     if device.type == "cuda":
         print(f"gpu           : {torch.cuda.get_device_name(device)}")
     print(f"model         : {cfg.notation}  d_model={cfg.d_model} vocab={cfg.vocab_size} fp32  ({source})")
