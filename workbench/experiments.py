@@ -164,7 +164,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     wall = time.perf_counter() - t0
     net = trainer.model.eval()
     K = cfg.loops
-    loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]))
+    loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]) | {K})  # K: final_loss is read there
     val = torch.cat(trainer.val_batches)
     sweep = loop_sweep(net, val, loops, progress=False)
     run = Run(net, tok, experiment, out, data)
@@ -183,7 +183,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
         # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
         ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
     tokens_seen = steps * tc.batch_size * tc.seq_len
-    at_k = float(sweep["loss"].sel(loop=K)) if K in loops else float("nan")
+    at_k = float(sweep["loss"].sel(loop=K))
     scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
                "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
                "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),

@@ -123,3 +123,20 @@ def bars(names, values, title: str, y_title: str) -> go.Figure:
     fig = _fig(title, "", y_title)
     fig.add_trace(go.Bar(x=[str(n) for n in names], y=np.asarray(values)))
     return fig
+
+
+def trajectory(proj, labels, positions, K: int | None = None,
+               title: str = "The hidden state across loops (PCA of all loops)") -> go.Figure:
+    """Return 2-D paths of states 0..R [R+1, T, >=2] for the chosen token positions, loop K starred."""
+    proj = np.asarray(proj)
+    fig = _fig(title, "PC 1", "PC 2", height=480)
+    for i in positions:
+        path = proj[:, i, :2]
+        fig.add_trace(go.Scatter(x=path[:, 0], y=path[:, 1], mode="lines+markers", name=repr(labels[i]),
+                                 text=[f"loop {t}" for t in range(len(path))],
+                                 marker=dict(size=np.where(np.arange(len(path)) == 0, 11, 6))))
+        if K is not None and K < len(path):
+            fig.add_trace(go.Scatter(x=[path[K, 0]], y=[path[K, 1]], mode="markers", showlegend=False,
+                                     marker=dict(symbol="star", size=14, color="black"),
+                                     hovertext=f"{labels[i]!r} at loop K={K}"))
+    return fig

@@ -1,0 +1,145 @@
+"""Every shipped notebook runs under papermill (through its pipelines' smoke profiles or on its own),
+and what it leaves behind is checked: results.nc with the declared dims and finite values, figures,
+the executed notebook and the pipeline report."""
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import papermill
+import pytest
+import xarray as xr
+import yaml
+
+from workbench import pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PIPELINES = sorted(p.stem for p in (ROOT / "pipelines").glob("*.yaml"))
+# dims each notebook's results.nc must have, and variables that must be finite everywhere
+DECLARED = {
+    "train": ({"loop", "step"}, ["loss", "accuracy", "train_loss", "final_loss", "n_once", "n_rec", "tokens"]),
+    "loop_sweep": ({"loop"}, ["loss", "loss_fit"]),
+    "geometry": ({"loop", "source", "target", "lag"}, ["angular_distance", "relative_update", "state_variance"]),
+    "lost_gradient": ({"k", "loop"}, ["lost", "cos", "adjoint_norm"]),
+    "fit_laws": ({"group", "param", "run"}, ["observed"]),  # smoke fits of untrained models may diverge
+    "taper": ({"schedule", "layer"}, ["d_ff"]),
+    "tour": ({"loop"}, ["loss", "angular_distance", "relative_update"]),
+    "retrofit": ({"loop", "depth"}, []),
+}
+# notebooks no pipeline runs: their smoke parameters
+STANDALONE = {
+    "tour": {"steps": 3, "d_model": 16, "loops": 2, "max_loops": 4},
+    "explorer": {"train_steps": 3, "max_loops": 4},
+}
+PARAM_LINE = re.compile(r"^(\w+): (\w+) = (.+?)  # (.+)$")
+
+
+def _param_lines(path: Path) -> list[str]:
+    nb = nbformat.read(path, as_version=4)
+    cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{path.name} needs exactly one cell tagged 'parameters'"
+    return [line for line in cells[0].source.splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_parameters_are_typed_documented_and_parsed(path):
+    """Each parameter reads `name: type = value  # help`, and papermill sees every one of them.
+
+    papermill silently drops a line it cannot parse (an `=` inside the help comment is enough), and
+    then the runner would reject the parameter as unknown."""
+    declared = papermill.inspect_notebook(str(path))
+    names = []
+    for line in _param_lines(path):
+        m = PARAM_LINE.match(line)
+        assert m, f"{path.name}: parameter line {line!r} must read 'name: type = value  # help'"
+        names.append(m.group(1))
+        assert m.group(2) in ("int", "float", "str", "bool", "list", "dict"), line
+    assert sorted(names) == sorted(declared), f"{path.name}: papermill parsed {sorted(declared)}"
+    if path.stem != "explorer":  # the explorer is interactive and writes nothing
+        assert "out_dir" in declared
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebooks_carry_no_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+
+
+def test_every_notebook_runs_in_a_pipeline_or_on_its_own():
+    used = set(STANDALONE)
+    for name in PIPELINES:
+        used |= {s.notebook.stem for s in pipeline.load_spec(name).steps}
+    assert {p.stem for p in NOTEBOOKS} <= used
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_profile_validates(name):
+    profiles = yaml.safe_load(pipeline.resolve_spec(name).read_text()).get("profiles", {})
+    assert "smoke" in profiles, f"pipeline {name} needs a smoke profile"
+    for profile in [None, *profiles]:
+        pipe = pipeline.load_spec(name, profile)
+        pipeline.validate(pipe, pipeline.expand(pipe, "runs"))
+
+
+def check_results(run_dir: Path, notebook: str) -> xr.Dataset:
+    """Assert a run's outputs: results.nc with the declared dims, finite values, figures that parse."""
+    path = run_dir / "results.nc"
+    assert path.exists(), f"{run_dir} has no results.nc"
+    ds = xr.load_dataset(path, engine="h5netcdf")
+    dims, finite = DECLARED[notebook]
+    assert dims <= set(ds.dims), f"{notebook}: dims {set(ds.dims)} lack {dims - set(ds.dims)}"
+    for var in finite:
+        assert np.isfinite(ds[var].values).all(), f"{notebook}: {var} is not finite: {ds[var].values}"
+    for var in ds.data_vars:  # elsewhere NaN may be meaningful (no coda: no core->coda ratio), not all of it
+        if np.issubdtype(ds[var].dtype, np.floating) and ds[var].ndim:
+            assert np.isfinite(ds[var].values).any(), f"{notebook}: {var} has no finite value"
+    for key in ("git_commit", "workbench_version", "created"):
+        assert key in ds.attrs
+    figs = list((run_dir / "figures").glob("*.json"))
+    assert figs, f"{notebook}: no figures saved"
+    for f in figs:
+        fig = json.loads(f.read_text())
+        assert fig["data"], f"{f} has no traces"
+    return ds
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_smoke_pipeline(name, tmp_path):
+    runs = tmp_path / "runs"
+    if name == "quickstart":  # the front door also goes through the Dask executor on a local cluster
+        distributed = pytest.importorskip("distributed")
+        with distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as c:
+            result = pipeline.run(name, profile="smoke", executor="dask", scheduler=c.scheduler_address,
+                                  runs_dir=runs, log=None)
+    else:
+        result = pipeline.run(name, profile="smoke", jobs=2, runs_dir=runs, log=None)
+    assert result.ok, result.summary()
+    pipe = pipeline.load_spec(name, "smoke")
+    notebooks = {s.name: s.notebook.stem for s in pipe.steps}
+    for job in pipeline.expand(pipe, runs):
+        check_results(job.dir, notebooks[job.step])
+        assert (job.dir / "notebook.html").exists()
+    assert result.report.exists()
+    if name == "quickstart":
+        sweep, = pipeline.find_runs("quickstart", "loop_sweep", runs)
+        ds = xr.load_dataset(sweep / "results.nc", engine="h5netcdf")
+        assert list(ds.loop.values) == list(range(1, 5))  # max_loops of the smoke profile
+
+
+@pytest.mark.parametrize("name", sorted(STANDALONE))
+def test_standalone_notebook(name, tmp_path):
+    out = tmp_path / "out.ipynb"
+    params = dict(STANDALONE[name])
+    if name == "explorer":
+        params["runs_dir"] = str(tmp_path / "no-runs")  # nothing there: the notebook trains a tiny model
+    papermill.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(out), parameters=params,
+                               cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+    nb = nbformat.read(out, as_version=4)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    if name in DECLARED:
+        check_results(tmp_path, name)
