@@ -18,14 +18,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
+# the main job: the quickstart pipeline (train, loop sweep, geometry, lost gradient; report in runs/quickstart/)
 demo: venv
-	$(PY) -m workbench.cli demo
+	$(VENV)/bin/workbench run quickstart
 
 test: venv
 	$(PY) -m pytest -q tests
 
 bench: venv
 	$(PY) benchmarks/bench_model.py
+	$(PY) benchmarks/bench_pipeline.py
 
 clean:
 	rm -rf $(VENV)

@@ -111,6 +111,7 @@ def test_run_chains_steps_and_rerun_skips_everything(project):
     rec = json.loads((total[0] / "run.json").read_text())
     assert rec["status"] == "done" and len(rec["upstream"]) == 3
     assert (total[0] / "notebook.ipynb").exists()
+    assert (total[0] / "kernel.log").exists()  # the kernel's stderr stays with its run
 
     again = pipeline.run(s, runs_dir=runs, log=None)
     assert again.ok and again.count("done", skipped=True) == 7

@@ -6,16 +6,15 @@ import argparse
 import sys
 import time
 
-import torch
-
 from . import LoopConfig, __version__
-from .data.corpus import stdlib_bytes
 
 
 def demo(steps: int = 200, seed: int = 0, max_loops: int = 8, progress: bool = True) -> dict[int, float]:
     """Return validation loss per loop count after training a tiny byte-level looped LM on the stdlib."""
     import numpy as np
+    import torch
 
+    from .data.corpus import stdlib_bytes
     from .evals import loop_sweep
     from .train import Trainer, TrainConfig
 

@@ -381,6 +381,20 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _kernel_manager_class():
+    """Return a kernel manager that sends the kernel's stderr to kernel.log in its working directory."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class RunKernelManager(AsyncKernelManager):
+        # the kernel's own log lines (and any C-level crash message) stay with the run, not on the terminal
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            with open(Path(kw.get("cwd") or ".") / "kernel.log", "ab") as log:
+                kw["stderr"] = log
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return RunKernelManager
+
+
 def execute_run(job: RunJob) -> dict:
     """Return the run's record after executing its notebook (or the existing record if it already completed).
 
@@ -412,7 +426,8 @@ def execute_run(job: RunJob) -> dict:
         try:
             papermill.execute_notebook(str(job.notebook), str(work / "notebook.ipynb"),
                                        parameters={**job.params, "out_dir": "."}, cwd=str(work),
-                                       kernel_name="python3", progress_bar=False, log_output=False)
+                                       kernel_name="python3", progress_bar=False, log_output=False,
+                                       kernel_manager_class=_kernel_manager_class())
         except PapermillExecutionError as e:
             error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
         except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
