@@ -154,7 +154,8 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     atomic_write_bytes(model_dir / "experiment.json", json.dumps(experiment, indent=1).encode())
 
     cfg = LoopConfig.from_dict({"vocab_size": tok.vocab_size, **model})
-    tfields = {"seed": seed, "progress": progress, **train}
+    # periodic checkpoints: a killed pipeline run resumes from the last one instead of starting over
+    tfields = {"seed": seed, "progress": progress, "checkpoint_every": 100, **train}
     if tfields.get("eval_loops") is not None:
         tfields["eval_loops"] = tuple(tfields["eval_loops"])
     tc = TrainConfig(**tfields)
