@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-INJECT = ("none", "scalar", "channel", "dense", "stable")
+INJECT = ("none", "scalar", "channel", "dense", "stable", "bridge")
 HISTORY_OPS = ("scalar", "channel", "dense")
 TIMESTEP = ("none", "loop_gate", "branch_gate", "adaln")
 TAPER = ("uniform", "cosine", "reverse")
@@ -37,7 +37,7 @@ class LoopConfig:
     sandwich_norm: bool = False
     attn_bias: bool = False
     init_std: float = 0.02
-    inject: str = "none"
+    inject: str = "none"  # "bridge": the retrofit re-entry bridge, skipped on loop 1 (SPEC §5)
     history: int = 0  # window w of history-state injection; 0 is off
     history_op: str = "scalar"
     timestep: str = "none"
@@ -47,6 +47,7 @@ class LoopConfig:
     taper_multiple: int = 1
     taper_start: float = 1.5  # d_start / mean width
     taper_end: float = 0.5  # d_end / mean width
+    adapter_rank: int = 0  # rank of low-rank updates on every core linear (retrofit adapters); 0 is off
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "core", "loops", "max_seq_len", "hyper",
@@ -54,10 +55,12 @@ class LoopConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 _fail(name, v, "must be an integer >= 1")
-        for name in ("prelude", "coda", "history"):
+        for name in ("prelude", "coda", "history", "adapter_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 _fail(name, v, "must be an integer >= 0")
+        if self.adapter_rank > self.d_model:
+            _fail("adapter_rank", self.adapter_rank, f"must be <= d_model={self.d_model} (a low-rank update)")
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:

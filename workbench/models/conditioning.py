@@ -10,9 +10,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .layers import Mod
+from .layers import Mod, RMSNorm
 
 
 class InitialInjection(nn.Module):
@@ -53,6 +54,30 @@ class InitialInjection(nn.Module):
             return torch.cat([h, h0.expand_as(h)], dim=-1) @ self.weight.T
         A_bar, B_bar = self.discretized()
         return A_bar * h + B_bar * h0
+
+
+class ReentryBridge(nn.Module):
+    """x = s + g (W_p Norm(e) + W_s s + b - s): how loops >= 2 re-enter a retrofitted block (SPEC §5).
+
+    `e` is the prelude output and `s` the loop state. It starts as the identity (W_p = 0, W_s = I,
+    b = 0, g = 1); the gate g is one scalar (*chosen here*) that scales the whole re-entry update.
+    The model skips it on loop 1, so a retrofitted model at loops=1 is the base model.
+    """
+
+    kind = "bridge"
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.norm = RMSNorm(d, eps)
+        self.W_p = nn.Parameter(torch.zeros(d, d))
+        self.W_s = nn.Parameter(torch.eye(d))
+        self.b = nn.Parameter(torch.zeros(d))
+        self.g = nn.Parameter(torch.ones(()))
+
+    def forward(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Return the bridged state, same shape as s."""
+        u = F.linear(self.norm(e), self.W_p) + F.linear(s, self.W_s, self.b)
+        return s + self.g * (u - s)
 
 
 class HistoryInjection(nn.Module):

@@ -14,7 +14,7 @@ from ..config import LoopConfig
 from .looped import LoopLM
 
 _LOOP_DEFAULTS = {"inject": "none", "history": 0, "timestep": "none", "hyper": 1,
-                  "sandwich_norm": False, "taper": "uniform"}
+                  "sandwich_norm": False, "taper": "uniform", "adapter_rank": 0}
 _NORMS = (("attn_norm.weight", "input_layernorm.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"))
 
 
@@ -44,8 +44,12 @@ def _layer_names(cfg: LoopConfig) -> list[str]:
     return [f"prelude.{i}" for i in range(p)] + [f"core.{i}" for i in range(s)] + [f"coda.{i}" for i in range(c)]
 
 
-def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, **overrides: Any) -> LoopLM:
-    """Return a LoopLM whose layers are the Llama's (prelude, core, coda in order), in the Llama's dtype/device."""
+def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int = 0, **overrides: Any) -> LoopLM:
+    """Return a LoopLM whose layers are the Llama's (prelude, core, coda in order), in the Llama's dtype/device.
+
+    Loop extras named in `overrides` (injection, adapters, ...) keep their identity initialisation, drawn
+    with `seed` where random (adapter A factors).
+    """
     _transformers()
     hf = llama.config
     n = hf.num_hidden_layers
@@ -67,7 +71,7 @@ def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, **overrid
                   tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
                   attn_bias=bool(getattr(hf, "attention_bias", False)))
     fields.update(overrides)
-    model = LoopLM(LoopConfig(**fields))
+    model = LoopLM(LoopConfig(**fields), seed=seed)
     src = {k: v.detach() for k, v in llama.state_dict().items()}
     new = {"embed.weight": src["model.embed_tokens.weight"], "norm.weight": src["model.norm.weight"]}
     if model.head is not None:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LoopConfig
-from .conditioning import HistoryInjection, InitialInjection, TimestepConditioning, timestep_features
+from .conditioning import (HistoryInjection, InitialInjection, ReentryBridge, TimestepConditioning,
+                           timestep_features)
 from .hyper import HyperConnection
 from .layers import Block, RMSNorm, Rotary, linear_cross_entropy
 from .taper import mlp_widths
@@ -74,18 +75,20 @@ class LoopLM(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
 
-            def block(width: int) -> Block:
+            def block(width: int, rank: int = 0) -> Block:
                 return Block(d, cfg.n_heads, cfg.kv_heads, width, cfg.norm_eps, cfg.sandwich_norm,
-                             cfg.attn_bias)
+                             cfg.attn_bias, rank)
 
             self.embed = nn.Embedding(cfg.vocab_size, d)
             self.prelude = nn.ModuleList(block(w) for w in widths[:p])
-            self.core = nn.ModuleList(block(w) for w in widths[p:p + s])
+            self.core = nn.ModuleList(block(w, cfg.adapter_rank) for w in widths[p:p + s])
             self.coda = nn.ModuleList(block(w) for w in widths[p + s:])
             self.norm = RMSNorm(d, cfg.norm_eps)
             self.head = None if cfg.tie_embeddings else nn.Linear(d, cfg.vocab_size, bias=False)
             self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.inject = InitialInjection(cfg.inject, d) if cfg.inject != "none" else None
+            self.inject = (None if cfg.inject == "none" else ReentryBridge(d, cfg.norm_eps)
+                           if cfg.inject == "bridge" else InitialInjection(cfg.inject, d))
+            self._inject_from = 1 if cfg.inject == "bridge" else 0  # the bridge skips loop 1 (0-based loop 0)
             self.history = HistoryInjection(cfg.history, cfg.history_op, d) if cfg.history else None
             self.timestep = TimestepConditioning(cfg.timestep, s, d) if cfg.timestep != "none" else None
             self.hyper = (nn.ModuleList(HyperConnection(cfg.hyper, d, k, cfg.hyper_dynamic, cfg.norm_eps)
@@ -189,7 +192,7 @@ class LoopLM(nn.Module):
         x = h
         if self.history is not None and past:
             x = self.history(x, past)
-        if self.inject is not None:
+        if self.inject is not None and loop >= self._inject_from:
             x = self.inject(x, h0)
         layer_mods = mods[loop] if mods is not None else None
         for j, blk in enumerate(self.core):
