@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import xarray as xr
 from safetensors.torch import load_file, save_file
 
@@ -132,14 +133,15 @@ class TrainConfig:
 def param_groups(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
     """Return (muon, adamw) lists of (name, parameter): Muon gets exactly the 2-D hidden matrices.
 
-    Hidden matrices are the blocks' attention and MLP weights and the dense injection / history lag
-    matrices; embeddings, head, norms, biases, gates, scalars and hyper-connection mixers go to AdamW.
+    Hidden matrices are the blocks' attention and MLP weights, the dense injection, re-entry bridge and
+    history lag matrices; embeddings, head, norms, biases, gates, scalars, hyper-connection mixers and
+    low-rank adapter factors go to AdamW. Frozen parameters (requires_grad=False) go to neither.
     """
     muon, adamw = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        hidden = (name.endswith(_MUON_SUFFIXES) or name == "inject.weight"
+        hidden = (name.endswith(_MUON_SUFFIXES) or name in ("inject.weight", "inject.W_p", "inject.W_s")
                   or (name.startswith("history.lags.") and p.ndim == 2))
         (muon if hidden and p.ndim == 2 else adamw).append((name, p))
     return muon, adamw
@@ -196,27 +198,43 @@ def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, wei
                   backward_loops: int | None = None) -> torch.Tensor:
     """Return the per-loop supervised loss: cross-entropy of every loop's readout against labels[:, t].
 
-    labels is [B, loops, T] (-100 where a loop carries no label); the loss averages the per-loop mean
-    cross-entropies over the loops that carry a label, weighted by `weights` [loops] if given (set
-    weights to one-hot on the last loop for final-answer-only grading).
+    labels is [B, loops, T] (-100 where a loop carries no label). With `weights` None or [loops] the
+    loss averages the per-loop mean cross-entropies over the loops that carry a label, weighted by
+    `weights` (set weights to one-hot on the last loop for final-answer-only grading). With `weights`
+    [B, loops] every (example, loop) pair that carries a label counts once, with its own weight: the
+    loss is the weighted mean of the pairs' mean cross-entropies (what mixed-depth batches need, whose
+    final loop differs per example).
     """
     if labels.dim() != 3 or labels.shape[0] != tokens.shape[0] or labels.shape[2] != tokens.shape[1]:
         raise ValueError(f"labels shape {tuple(labels.shape)} is invalid: must be [batch, loops, seq] = "
                          f"[{tokens.shape[0]}, loops, {tokens.shape[1]}]")
-    r = labels.shape[1]
-    w = torch.ones(r) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
-    if w.shape != (r,):
-        raise ValueError(f"weights shape {tuple(w.shape)} is invalid: must be [{r}] (one per loop)")
+    B, r = labels.shape[:2]
+    w = torch.ones(r) if weights is None else torch.as_tensor(weights, dtype=torch.float32).cpu()
+    if w.shape not in ((r,), (B, r)):
+        raise ValueError(f"weights shape {tuple(w.shape)} is invalid: must be [{r}] (one per loop) or "
+                         f"[{B}, {r}] (one per example and loop)")
+    pairs = w.dim() == 2
     h0 = model.embed_prelude(tokens)
     _, states = model.run_loops(h0, r, backward_loops=backward_loops, keep_states=True)
     total, norm = tokens.new_zeros((), dtype=torch.float32), 0.0
     for t in range(1, r + 1):
         lab = labels[:, t - 1]
-        if w[t - 1] == 0 or not (lab != -100).any():
+        keep = lab != -100
+        wt = w[:, t - 1] * keep.any(1).cpu() if pairs else w[t - 1]
+        if not (wt != 0).any() or not keep.any():
             continue
-        logits = model.readout(states[t])
-        total = total + w[t - 1] * lm_loss(logits, lab)
-        norm += float(w[t - 1])
+        # the head only at labelled positions: answers are a few tokens, the vocabulary may be 50k wide
+        logits = F.linear(model.features(states[t])[keep], model.head_weight)
+        if not pairs:
+            total = total + wt * lm_loss(logits[None], lab[keep][None])
+            norm += float(wt)
+            continue
+        ce = F.cross_entropy(logits.float(), lab[keep], reduction="none")
+        rows = keep.nonzero()[:, 0]
+        per_pair = torch.zeros(B, device=ce.device).index_add(0, rows, ce)
+        count = torch.zeros(B, device=ce.device).index_add(0, rows, torch.ones_like(ce)).clamp(min=1)
+        total = total + (wt.to(ce.device) * per_pair / count).sum()
+        norm += float(wt.sum())
     if norm == 0:
         raise ValueError("labels carry no label at any loop with non-zero weight")
     return total / norm
@@ -513,21 +531,34 @@ class ExampleBatches:
     """Seeded batches of task examples for answer-only or per-loop supervision; resumable like BatchSampler.
 
     Each batch is a dict: `tokens` [B, T] (prompt + answer minus its last token, right-padded with 0),
-    `labels` [B, loops, T] (-100 except at the answer positions) and `weights` [loops]. With
+    `labels` [B, loops, T] (-100 except at the answer positions) and `weights`. With
     `per_loop=True` loop t is graded on the example's state after step t (`Example.steps[t-1]`,
     for examples whose steps encode to as many tokens as the answer); otherwise, or with
-    `final_only=True`, only the last loop carries the answer.
+    `final_only=True`, only the final loop carries the answer. Which loop is final:
+    - `align="last"`: the last loop, graded on the answer whatever the example's depth; `weights` [loops];
+    - `align="step"`: loop min(depth, loops), graded on the state after that step (the answer when
+      depth <= loops); later loops carry no label, so examples of mixed depths teach one step per
+      loop; `weights` [B, loops]. Examples need steps.
+    `anneal=n` anneals per-loop grading toward final-answer-only grading: the weight of every loop
+    before the final one falls linearly from 1 at the first batch to 0 at batch n (and stays 0).
     """
 
     def __init__(self, examples, tokenizer, batch_size: int, loops: int, seed: int = 0, per_loop: bool = True,
-                 final_only: bool = False):
+                 final_only: bool = False, anneal: int = 0, align: str = "last"):
         if not examples:
             raise ValueError("examples is empty: nothing to train on")
         if batch_size < 1 or loops < 1:
             raise ValueError(f"batch_size={batch_size}, loops={loops} are invalid: both must be >= 1")
-        self.batch_size, self.loops, self.seed = batch_size, loops, seed
+        if not isinstance(anneal, int) or isinstance(anneal, bool) or anneal < 0:
+            raise ValueError(f"anneal={anneal!r} is invalid: must be an integer >= 0 (batches; 0 is off)")
+        if align not in ("last", "step"):
+            raise ValueError(f"align={align!r} is invalid: must be one of last, step")
+        self.batch_size, self.loops, self.seed, self.anneal, self.align = batch_size, loops, seed, anneal, align
+        self.drawn = 0  # batches drawn so far: the annealing clock
         self.items = []
         for ex in examples:
+            if align == "step" and not ex.steps:
+                raise ValueError(f"align='step' needs examples with steps; {ex.prompt!r} has none")
             p, a = tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer)
             per = [tokenizer.encode(ex.answer[:len(ex.answer) - len(ex.answer.lstrip())] + s) for s in ex.steps]
             self.items.append((p, a, per))
@@ -539,6 +570,7 @@ class ExampleBatches:
 
     def __next__(self) -> dict:
         n = len(self.items)
+        self.drawn += 1
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n)
         idx = [order[(self.position * self.batch_size + i) % n] for i in range(self.batch_size)]
         self.position += 1
@@ -547,25 +579,40 @@ class ExampleBatches:
         T = max(len(self.items[i][0]) + len(self.items[i][1]) - 1 for i in idx)
         tokens = torch.zeros(self.batch_size, T, dtype=torch.long)
         labels = torch.full((self.batch_size, self.loops, T), -100, dtype=torch.long)
+        w_early = self.weights(self.drawn - 1)[0].item()
+        weights = torch.zeros(self.batch_size, self.loops)
         for b, i in enumerate(idx):
             p, a, per = self.items[i]
             seq = p + a
             tokens[b, :len(seq) - 1] = torch.tensor(seq[:-1])
             at = slice(len(p) - 1, len(p) - 1 + len(a))
-            labels[b, -1, at] = torch.tensor(a)
+            final = self.loops if self.align == "last" else min(len(per), self.loops)
+            target = a if self.align == "last" or final == len(per) else per[final - 1]
+            if len(target) == len(a):
+                labels[b, final - 1, at] = torch.tensor(target)
+            weights[b, :final - 1], weights[b, final - 1] = w_early, 1.0
             if self.per_loop and not self.final_only:
-                # loop t (1-based) is graded on the state after step t, up to the last loop
-                for t in range(1, min(self.loops, len(per) + 1)):
+                # loop t (1-based) is graded on the state after step t, up to the final loop
+                for t in range(1, min(final, len(per) + 1)):
                     if len(per[t - 1]) == len(a):
                         labels[b, t - 1, at] = torch.tensor(per[t - 1])
-        return {"tokens": tokens, "labels": labels, "weights": torch.ones(self.loops)}
+        return {"tokens": tokens, "labels": labels,
+                "weights": self.weights(self.drawn - 1) if self.align == "last" else weights}
+
+    def weights(self, batch: int) -> torch.Tensor:
+        """Return the per-loop weights [loops] of the 0-based `batch` under the annealing schedule (align="last")."""
+        w = torch.ones(self.loops)
+        if self.anneal:
+            w[:-1] = max(0.0, 1.0 - batch / self.anneal)
+        return w
 
     def state_dict(self) -> dict[str, int]:
-        """Return the position to restore (epoch, position, seed)."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        """Return the position to restore (epoch, position, batches drawn, seed)."""
+        return {"epoch": self.epoch, "position": self.position, "drawn": self.drawn, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by `state_dict` (the seed must match)."""
         if state["seed"] != self.seed:
             raise ValueError(f"seed={state['seed']} in the saved state does not match this sampler's seed={self.seed}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.drawn = int(state.get("drawn", 0))  # states written before annealing existed lack it
