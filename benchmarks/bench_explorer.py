@@ -36,7 +36,7 @@ from workbench.config import LoopConfig  # noqa: E402
 from workbench.models import LoopLM  # noqa: E402
 from workbench.viz.explorer import LoopExplorer, compute_view, load_checkpoint  # noqa: E402
 
-from bench_model import cpu_model  # noqa: E402  (same folder: one machine description for all benchmarks)
+from bench_model import cpu_model, interleaved  # noqa: E402  (same folder: one timing loop for all benchmarks)
 
 SEQ, LOOPS, TARGET_MS = 256, 32, 50.0
 
@@ -106,30 +106,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     compute_view(model, ids.numpy(), LOOPS)
     cold = time.perf_counter() - t0
-    warm = []
-    for _ in range(traces):
-        t0 = time.perf_counter()
-        compute_view(model, ids.numpy(), LOOPS)
-        warm.append(time.perf_counter() - t0)
-    with torch.inference_mode():
-        trace_only = []
-        for _ in range(traces):
-            t0 = time.perf_counter()
-            model.trace(ids[None].to(device), loops=LOOPS)
-            trace_only.append(time.perf_counter() - t0)
-        recompute = []
-        for _ in range(traces):
-            t0 = time.perf_counter()
-            model(ids[None].to(device), loops=LOOPS)
-            recompute.append(time.perf_counter() - t0)
-
     ex = LoopExplorer(model, tok, text=text, max_loops=LOOPS, device=device)
     assert ex.message == "" and len(ex.view.tokens) == seq, ex.message
-    settext = []
-    for k in range(traces):
-        t0 = time.perf_counter()
-        ex.set_text(text + (" 1" if k % 2 else " 2"))  # a new prompt each time: one trace, every figure redrawn
-        settext.append(time.perf_counter() - t0)
+    x = ids[None].to(device)
+    flip = iter(range(10 ** 6))
+
+    def new_prompt():  # a new prompt each time (a prompt one token over the context is cut to its last 256)
+        ex.set_text(text + (" 1" if next(flip) % 2 else " 2"))
+
+    def no_grad(fn):
+        def run():
+            with torch.inference_mode():
+                fn()
+        return run
+
+    # interleaved rounds (A B C D A B C D ...), so background load hits every contender alike
+    t = interleaved({"view": lambda: compute_view(model, ids.numpy(), LOOPS),
+                     "trace": no_grad(lambda: model.trace(x, loops=LOOPS)),
+                     "set_text": new_prompt,
+                     "forward": no_grad(lambda: model(x, loops=LOOPS))}, device, warmup=1, repeats=traces)
+    warm, trace_only, settext, recompute = t["view"], t["trace"], t["set_text"], t["forward"]
 
     # 1: slider moves, every loop visited in a scrambled order, data checked after each move
     rng = np.random.default_rng(0)
