@@ -48,9 +48,11 @@ class IdTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str) -> list[int]:
+        """Return the ids written in text, space-separated."""
         return [int(t) for t in text.split()]
 
     def decode(self, ids) -> str:
+        """Return the ids as labels t<id>."""
         return " ".join(f"t{int(i)}" for i in ids)
 
 
@@ -62,6 +64,7 @@ def quickstart_model() -> LoopLM:
 
 
 def pct(xs: list[float], q: float) -> float:
+    """Return the q-th percentile of xs."""
     return float(np.percentile(np.array(xs), q))
 
 

@@ -348,7 +348,7 @@ class LoopExplorer:
     """
 
     def __init__(self, model, tokenizer=None, text: str = DEFAULT_TEXT, max_loops: int | None = None, *,
-                 top_k: int = 10, dims: int = 3, device=None, progress: bool = False):
+                 top_k: int = 10, dims: int = 3, device=None):
         import ipywidgets as W
 
         if max_loops is not None:
