@@ -124,7 +124,7 @@ def _find_tokenizer(path: Path):
         if candidate.is_file():
             try:
                 return Tokenizer.load(candidate)
-            except (ValueError, OSError, Exception) as e:  # tokenizers raises its own Exception type
+            except Exception as e:  # the tokenizers library raises its own exception types besides ValueError
                 raise ExplorerInputError(f"cannot read the tokenizer at {candidate}: {e}") from None
     return None
 
