@@ -1,8 +1,6 @@
 """The loop explorer: cached numbers against slow per-loop forwards, widgets driven from Python, bad input."""
 
 import json
-import os
-import time
 
 import numpy as np
 import pytest
@@ -240,8 +238,7 @@ def test_checkpoints_from_quickstart_runs(tmp_path):
         model = model_(seed=n, vocab_size=tok.vocab_size)
         save_checkpoint(run / "model", model, [], {"step": 1, "model_config": model.cfg.to_json()})
         tok.save(run / "model" / "tokenizer.json")
-        (run / "run.json").write_text(json.dumps({"status": status}))
-        os.utime(run / "run.json", (time.time() + n, time.time() + n))
+        (run / "run.json").write_text(json.dumps({"status": status, "finished": f"2026-11-0{n + 1}T00:00:00"}))
         models[key] = model
     (runs / "quickstart" / "train" / "broken").mkdir()
     (runs / "quickstart" / "train" / "broken" / "run.json").write_text("{not json")

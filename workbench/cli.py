@@ -11,24 +11,16 @@ from . import LoopConfig, __version__
 
 def demo(steps: int = 200, seed: int = 0, max_loops: int = 8, progress: bool = True) -> dict[int, float]:
     """Return validation loss per loop count after training a tiny byte-level looped LM on the stdlib."""
-    import numpy as np
     import torch
 
-    from .data.corpus import stdlib_bytes
     from .evals import loop_sweep
-    from .train import Trainer, TrainConfig
+    from .experiments import demo_trainer
 
-    data = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8).astype(np.uint16)
-    split = int(0.95 * len(data))
-    train_tokens, val_tokens = data[:split], data[split:]
-    cfg = LoopConfig(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=2, prelude=1, core=2, coda=1,
-                     loops=4, max_seq_len=128, inject="channel")
-    tc = TrainConfig(steps=steps, batch_size=16, seq_len=128, lr=1e-2, warmup=20, seed=seed, progress=progress)
-    print(f"workbench {__version__}: training {cfg.notation} (byte-level, d={cfg.d_model}) "
-          f"on {len(train_tokens) / 1e6:.1f} MB of standard-library source for {steps} steps")
+    print(f"workbench {__version__}: training the demo model (byte-level 1+2x4+1, d=128) on 1.9 MB of "
+          f"standard-library source for {steps} steps")
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, tc, train_tokens, val_tokens)
-    metrics = trainer.run()
+    trainer = demo_trainer(steps, seed, progress)
+    cfg, metrics = trainer.cfg, trainer.metrics_dataset()
     print(f"trained in {time.perf_counter() - t0:.1f} s; final train loss {float(metrics.loss[-1]):.3f}")
     ds = loop_sweep(trainer.model, torch.cat(trainer.val_batches), list(range(1, max_loops + 1)), progress=False)
     losses = {int(r): float(v) for r, v in zip(ds.loop.values, ds.loss.values)}

@@ -204,6 +204,26 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     return run, ds
 
 
+def demo_trainer(steps: int = 200, seed: int = 0, progress: bool = True):
+    """Return the Trainer of the demo model (byte-level 1+2x4+1, d=128, 2 MB of stdlib source) after training.
+
+    One recipe for `workbench demo` and the explorer's tiny model, so both show the same model. Token
+    ids are raw UTF-8 bytes (256 ids, no end-of-text id); 5% of the bytes are held out for validation.
+    """
+    from .data.corpus import stdlib_bytes
+    from .train import Trainer, TrainConfig
+
+    data = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8).astype(np.uint16)
+    split = int(0.95 * len(data))
+    cfg = LoopConfig(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=2, prelude=1, core=2, coda=1,
+                     loops=4, max_seq_len=128, inject="channel")
+    tc = TrainConfig(steps=steps, batch_size=16, seq_len=128, lr=1e-2, warmup=min(20, steps), seed=seed,
+                     progress=progress)
+    trainer = Trainer(cfg, tc, data[:split], data[split:])
+    trainer.run()
+    return trainer
+
+
 def law_table(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
     """Return one row per training run (n_once, n_rec, loops, backward_loops, truncated, tokens, loss, config).
 

@@ -19,7 +19,6 @@ model's context is cut to its last `max_seq_len` tokens, with a note saying so.
 from __future__ import annotations
 
 import html
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,19 +81,9 @@ def tiny_model(steps: int = 120, seed: int = 0, progress: bool = True) -> tuple[
     About 0.4 s a step on two CPU cores, so the default 120 steps take under a minute; it already
     predicts common bytes of Python source and shows the loop-count behaviour the explorer is for.
     """
-    from ..config import LoopConfig
-    from ..data.corpus import stdlib_bytes
-    from ..train import Trainer, TrainConfig
+    from ..experiments import demo_trainer
 
-    steps = check_int(steps, "steps")
-    data = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8).astype(np.uint16)
-    # the same model and recipe as cli.demo, so the explorer shows what the demo prints
-    cfg = LoopConfig(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=2, prelude=1, core=2, coda=1,
-                     loops=4, max_seq_len=128, inject="channel")
-    tc = TrainConfig(steps=steps, batch_size=16, seq_len=128, lr=1e-2, warmup=min(20, steps), seed=seed,
-                     progress=progress)
-    trainer = Trainer(cfg, tc, data)
-    trainer.run()
+    trainer = demo_trainer(check_int(steps, "steps"), seed, progress)  # the same model cli.demo trains
     return trainer.model, ByteTokenizer()
 
 
@@ -102,17 +91,12 @@ def find_quickstart_checkpoint(runs_dir: str | os.PathLike = "runs") -> Path | N
     """Return the model folder of the newest finished quickstart train run under runs_dir, or None.
 
     The quickstart pipeline writes `<runs_dir>/quickstart/train/<key>/run.json` ({"status": "done"})
-    with the trained checkpoint in `<key>/model/`; "newest" is by run.json's modification time.
+    with the trained checkpoint in `<key>/model/`; "newest" is by the record's finish time.
     """
-    found = []
-    for run_json in Path(runs_dir).glob("quickstart/train/*/run.json"):
-        try:
-            done = json.loads(run_json.read_text()).get("status") == "done"
-        except (OSError, ValueError, AttributeError):
-            continue  # a run being written or a foreign file is not a candidate
-        if done and (run_json.parent / "model").is_dir():
-            found.append((run_json.stat().st_mtime, str(run_json.parent / "model")))
-    return Path(max(found)[1]) if found else None
+    from ..pipeline import find_runs
+
+    found = [d / "model" for d in find_runs("quickstart", "train", runs_dir) if (d / "model").is_dir()]
+    return found[-1] if found else None
 
 
 def _find_tokenizer(path: Path):
