@@ -119,8 +119,8 @@ def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_he
     for name, v in (("vocab_size", vocab_size), ("d_model", d_model), ("layers", layers), ("n_heads", n_heads),
                     ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
         _check_int(name, v, 1)
-    if not std > 0:
-        _fail("std", std, "must be > 0")
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+        _fail("std", std, "must be a number > 0")
     cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff,
                                    num_hidden_layers=layers, num_attention_heads=n_heads,
                                    num_key_value_heads=n_kv_heads, max_position_embeddings=256,
@@ -299,9 +299,10 @@ def train_retrofit(model: LoopLM, tokenizer, examples: Sequence[Example], steps:
 def depth_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 50, seed: int = 1,
                 loops: Sequence[int] | None = None, supervised_depth: int | None = None, rule: str = "add",
                 modulus: int = 10, batch_size: int = 16, progress: bool = False) -> xr.Dataset:
-    """Return teacher-forced `accuracy` and `loss` per (loop, depth) on the iterated task, plus per depth
-    `step_accuracy` (at loop = depth: one step per loop) and `best_accuracy` (best loop).
+    """Return iterated-task `accuracy` and `loss` per (loop, depth), with `step_accuracy` at loop = depth.
 
+    Scored teacher-forced (exact match of every answer token). `step_accuracy` (dim depth) reads a
+    depth-d problem after loop d, one step per loop; `best_accuracy` takes the best loop.
     `beyond_horizon` (dim depth, 0/1) marks depths above the supervised depth (default model.cfg.loops);
     `loops` defaults to 1..max(depths).
     """
@@ -483,8 +484,10 @@ def knowledge_battery(tokenizer=None) -> list[Example]:
 
 def knowledge_sweep(model: LoopLM, tokenizer, loops: Sequence[int], battery: Sequence[Example] | None = None,
                     progress: bool = False) -> xr.Dataset:
-    """Return the battery's answer `accuracy` and `loss` per (loop, task = category), plus `knowledge_accuracy`
-    (dim loop) over all facts, scored teacher-forced at every loop count."""
+    """Return the knowledge battery's `accuracy` per (loop, task = category) and `knowledge_accuracy` per loop.
+
+    Scored teacher-forced at every loop count in `loops`; `battery` defaults to `knowledge_battery()`.
+    """
     from ..evals import loop_sweep
 
     ds = loop_sweep(model, list(battery or knowledge_battery()), loops, tokenizer=tokenizer, progress=progress)
