@@ -148,7 +148,7 @@ def test_smollm2_loops1_equals_the_base_model(smollm2):
 
 def test_knowledge_battery_rejects_multi_token_answers():
     with pytest.raises(ValueError, match="one-token answers"):
-        rf.knowledge_battery(rf.ByteTokenizer())
+        rf.knowledge_battery(rf.ByteTokenizer(128))
     assert all(ex.answer.strip() and ex.group == "knowledge" and ex.depth == 0 for ex in rf.knowledge_battery())
 
 

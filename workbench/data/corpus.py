@@ -495,6 +495,32 @@ class Tokenizer:
         return cls(Backend.from_str(text), eos_token=eos_token)
 
 
+class ByteTokenizer:
+    """Token id = UTF-8 byte: the tokenizer of byte-level models (the demo's 256 ids, tiny random Llamas).
+
+    ``vocab_size`` may be below 256 for models that only read ASCII; encoding a byte at or above it is
+    an error naming the text. Id 0 (the NUL byte) doubles as end-of-text.
+    """
+
+    eos_id = 0
+
+    def __init__(self, vocab_size: int = 256):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= 256:
+            raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer in 1..256")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of text as token ids."""
+        ids = list(text.encode("utf-8"))
+        if ids and max(ids) >= self.vocab_size:
+            raise ValueError(f"text={text!r} is invalid: must encode to bytes < vocab_size={self.vocab_size}")
+        return ids
+
+    def decode(self, ids) -> str:
+        """Return the text of byte ids (invalid UTF-8 shown as U+FFFD)."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
 def train_tokenizer(corpus: Corpus | Iterable[str], vocab_size: int, seed: int = 0,
                     max_train_bytes: int | None = None, progress: bool = False) -> Tokenizer:
     """Return a byte-level BPE Tokenizer with vocab_size ids trained on the corpus (or iterable of str).

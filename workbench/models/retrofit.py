@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from ..data.corpus import ByteTokenizer
 from ..data.tasks import KNOWLEDGE, Example, make_task
 from ..io import provenance
 from .hf import from_hf, to_hf
@@ -130,25 +131,6 @@ def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_he
         torch.manual_seed(seed)
         llama = transformers.LlamaForCausalLM(cfg)
     return llama.eval()
-
-
-class ByteTokenizer:
-    """Bytes as tokens (ids < vocab_size), the tokenizer of `random_llama` models."""
-
-    def __init__(self, vocab_size: int = 128):
-        self.vocab_size = _check_int("vocab_size", vocab_size, 1)
-        self.eos_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of text as ids (every one must be < vocab_size)."""
-        ids = list(text.encode("utf-8"))
-        if ids and max(ids) >= self.vocab_size:
-            _fail("text", text, f"must encode to bytes < vocab_size={self.vocab_size}")
-        return ids
-
-    def decode(self, ids) -> str:
-        """Return the text of byte ids (invalid UTF-8 replaced)."""
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 # ---- conversion and budgets ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data.corpus import ByteTokenizer
 from ..models.looped import LoopLM
 from ..probes._common import angular_distance, check_int, kl, masked_mean, relative_update, token_stats
 
@@ -45,20 +46,6 @@ _LOGIT_BUDGET = 2 ** 18
 
 class ExplorerInputError(ValueError):
     """Input the explorer cannot show (bad prompt, checkpoint or tokenizer); its text goes in the widget."""
-
-
-class ByteTokenizer:
-    """Token id = UTF-8 byte (256 ids): the tokenizer of byte-level models such as `workbench demo`'s."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of text as token ids."""
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        """Return the text of byte ids (invalid UTF-8 shown as U+FFFD)."""
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def token_label(tokenizer, token_id: int) -> str:
