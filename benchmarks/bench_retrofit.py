@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_model import cpu_model  # noqa: E402  (same folder)
 from workbench.models import retrofit as rf  # noqa: E402
 
 
@@ -38,16 +39,6 @@ def rss_mib() -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
