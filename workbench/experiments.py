@@ -238,11 +238,11 @@ def law_table(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
             raise FileNotFoundError(f"{path} is missing: is {d} a finished training run?")
         with xr.open_dataset(path, engine="h5netcdf") as ds:
             cfg = json.loads(ds.attrs["config_json"])
-            row = {"run": Path(d).name, "n_once": float(ds.n_once), "n_rec": float(ds.n_rec),
-                   "loops": float(ds.train_loops), "backward_loops": float(ds.backward_loops),
-                   "tokens": float(ds.tokens), "loss": float(ds.final_loss)}
-            row.update({k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))})
-            row["loops"] = float(ds.train_loops)  # the config's K is the same number; keep the measured mean
+            # config fields first, so the measured loops (mean r when sampled) replace the config's K
+            row = {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))}
+            row.update(run=Path(d).name, n_once=float(ds.n_once), n_rec=float(ds.n_rec),
+                       loops=float(ds.train_loops), backward_loops=float(ds.backward_loops),
+                       tokens=float(ds.tokens), loss=float(ds.final_loss))
             row["truncated"] = bool(row["backward_loops"] < row["loops"])
             rows.append(row)
     if not rows:
