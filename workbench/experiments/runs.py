@@ -25,14 +25,14 @@ import pandas as pd
 import torch
 import xarray as xr
 
-from .config import LoopConfig
-from .io import atomic_write_bytes, provenance, save_netcdf
+from ..config import LoopConfig
+from ..io import atomic_write_bytes, provenance, save_netcdf
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
 
 def _task_examples(tasks: Sequence[str], depths: Sequence[int] | None, n: int, seed: int) -> list:
-    from .data.tasks import make_task
+    from ..data.tasks import make_task
 
     out = []
     for name in tasks:
@@ -52,8 +52,8 @@ def mixed_corpus(corpus: str = "stdlib", tasks: Sequence[str] = (), task_ratio: 
     With "recall" among the tasks, the facts it queries (`recall_facts`) are added as training text,
     so recall measures knowledge stored in the weights.
     """
-    from .data.corpus import Corpus, load_corpus
-    from .data.tasks import mix_texts, recall_facts
+    from ..data.corpus import Corpus, load_corpus
+    from ..data.tasks import mix_texts, recall_facts
 
     base = load_corpus(corpus)
     if not tasks:
@@ -85,7 +85,7 @@ class Run:
     def data(self):
         """Return the TokenData (train/val token arrays) of the run's corpus and tokenizer (cached on disk)."""
         if self._data is None:
-            from .data.corpus import tokenize_corpus
+            from ..data.corpus import tokenize_corpus
 
             e = self.experiment
             corpus = mixed_corpus(e["corpus"], e.get("tasks", []), e.get("task_ratio", 0.2),
@@ -95,7 +95,7 @@ class Run:
 
     def val_tokens(self, n: int = 8, seq_len: int = 128, seed: int = 0) -> torch.Tensor:
         """Return n held-out validation windows [n, seq_len + 1] (LongTensor) of the run's corpus."""
-        from .data.corpus import BatchSampler
+        from ..data.corpus import BatchSampler
 
         seq_len = min(seq_len, self.model.cfg.max_seq_len)
         return next(BatchSampler(np.asarray(self.data().val), n, seq_len, seed=seed))
@@ -108,8 +108,8 @@ class Run:
 
 def load_run(path: str | os.PathLike, device=None) -> Run:
     """Return the Run saved at `path` (a run folder holding model/, or the model folder itself)."""
-    from .data.corpus import Tokenizer
-    from .train import load_model
+    from ..data.corpus import Tokenizer
+    from ..train import load_model
 
     path = Path(path)
     if not str(path):
@@ -135,9 +135,9 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     training curve, the parameter split N_once / N_rec, tokens seen, and per-loop task accuracy when
     tasks are mixed in. The same data is written to `out_dir/results.nc`.
     """
-    from .data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
-    from .evals import loop_sweep
-    from .train import Trainer, TrainConfig, latest_checkpoint
+    from ..data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
+    from ..evals import loop_sweep
+    from ..train import Trainer, TrainConfig, latest_checkpoint
 
     out, model_dir = Path(out_dir), Path(out_dir) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -210,8 +210,8 @@ def demo_trainer(steps: int = 200, seed: int = 0, progress: bool = True):
     One recipe for `workbench demo` and the explorer's tiny model, so both show the same model. Token
     ids are raw UTF-8 bytes (256 ids, no end-of-text id); 5% of the bytes are held out for validation.
     """
-    from .data.corpus import stdlib_bytes
-    from .train import Trainer, TrainConfig
+    from ..data.corpus import stdlib_bytes
+    from ..train import Trainer, TrainConfig
 
     data = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8).astype(np.uint16)
     split = int(0.95 * len(data))

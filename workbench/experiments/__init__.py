@@ -1,0 +1,11 @@
+"""End-to-end runs the notebooks call: train and reopen runs (`runs`), law tables, retrofit experiments.
+
+Everything public is re-exported here, so `from workbench.experiments import train_run, load_run`
+keeps working whichever module holds the code.
+"""
+
+from .runs import (TASK_DEPTHS, Run, demo_trainer, law_table, load_run, mixed_corpus, sweep_table,
+                   train_run)
+
+__all__ = ["TASK_DEPTHS", "Run", "demo_trainer", "law_table", "load_run", "mixed_corpus", "sweep_table",
+           "train_run"]
