@@ -258,3 +258,95 @@ def test_dask_executor_on_a_local_cluster(project):
     pids = {line.split()[1] for line in (project / "log.txt").read_text().splitlines()}
     assert str(os.getpid()) not in pids  # the Dask workers launched the kernels, not this process
     assert value(pipeline.find_runs("demo", "total", project / "runs")[0]) == sum(x + 10.0 for x in (1, 2, 3))
+
+
+# ---- the library's code in the key ----------------------------------------------------------------------
+CHAIN = """\
+name: chain
+steps:
+  - {name: a, notebook: tiny, params: {x: 7}}
+  - {name: b, notebook: tiny, each: {a: upstream}}
+  - {name: total, notebook: tiny, gather: {b: inputs}}
+"""
+
+
+@pytest.fixture
+def library_copy(tmp_path, monkeypatch):
+    """A copy of the workbench package's source that the runner digests instead of the real one."""
+    import shutil
+
+    copy = tmp_path / "lib" / "workbench"
+    shutil.copytree(pipeline.LIBRARY, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    monkeypatch.setattr(pipeline, "LIBRARY", copy)
+    return copy
+
+
+def edit(copy: Path, rel: str) -> None:
+    """Append a comment to one file of the copy and forget the digest computed so far."""
+    f = copy / rel
+    f.write_text(f.read_text() + "\n# an edit\n")
+    pipeline._source_digest.cache_clear()
+
+
+def test_library_digest_reads_every_py_file_by_relative_path(tmp_path):
+    a, b = tmp_path / "a" / "pkg", tmp_path / "b" / "pkg"
+    for root in (a, b):
+        (root / "sub").mkdir(parents=True)
+        (root / "x.py").write_text("X = 1\n")
+        (root / "sub" / "y.py").write_text("Y = 2\n")
+        (root / "notes.txt").write_text("not code")
+    assert pipeline.library_digest(a) == pipeline.library_digest(b)  # the location does not count
+    (b / "notes.txt").write_text("still not code")
+    pipeline._source_digest.cache_clear()
+    assert pipeline.library_digest(a) == pipeline.library_digest(b)
+    (b / "sub" / "y.py").write_text("Y = 3\n")
+    assert pipeline.library_digest(a) == pipeline.library_digest(b)  # computed once per process...
+    pipeline._source_digest.cache_clear()
+    assert pipeline.library_digest(a) != pipeline.library_digest(b)  # ...and the content counts
+    (b / "sub" / "y.py").write_text("Y = 2\n")
+    (b / "sub" / "y.py").rename(b / "sub" / "z.py")  # same content under another name
+    pipeline._source_digest.cache_clear()
+    assert pipeline.library_digest(a) != pipeline.library_digest(b)
+
+
+@pytest.mark.parametrize("rel", ["config.py", "models/conditioning.py", "pipeline.py"])
+def test_editing_the_library_changes_the_key_of_every_step(project, library_copy, rel):
+    s = spec(project, CHAIN)
+    pipe = pipeline.load_spec(s)
+    before = pipeline.expand(pipe, project / "runs")
+    assert pipeline.library_digest() == pipeline.library_digest(Path(pipeline.__file__).parent)  # a faithful copy
+    edit(library_copy, rel)
+    after = pipeline.expand(pipe, project / "runs")
+    assert [j.step for j in before] == [j.step for j in after] == ["a", "b", "total"]
+    for old, new in zip(before, after):
+        assert old.key != new.key, old.step
+        assert new.library == pipeline.library_digest() != old.library
+    assert {j.key for j in pipeline.expand(pipe, project / "runs")} == {j.key for j in after}  # stable otherwise
+
+
+def test_status_marks_runs_of_older_library_code_stale(project, library_copy, capsys):
+    s = spec(project, CHAIN)
+    runs = project / "runs"
+    assert pipeline.run(s, runs_dir=runs, log=None, report_html=False).ok
+    old = {r["key"]: r for r in pipeline.status(s, runs_dir=runs)}
+    assert [r["state"] for r in old.values()] == ["done"] * 3
+    for r in old.values():
+        assert json.loads((Path(r["dir"]) / "run.json").read_text())["library"] == pipeline.library_digest()
+    assert cli(["status", str(s), "--runs", str(runs)]) == 0
+    edit(library_copy, "evals.py")
+    rows = pipeline.status(s, runs_dir=runs)
+    assert sorted(r["state"] for r in rows) == ["pending"] * 3 + ["stale"] * 3
+    assert {r["key"] for r in rows if r["state"] == "stale"} == set(old)
+    assert {r["step"] for r in rows if r["state"] == "stale"} == {"a", "b", "total"}
+    capsys.readouterr()
+    assert cli(["status", str(s), "--runs", str(runs)]) == 1
+    out = capsys.readouterr().out
+    assert "3 pending, 3 stale" in out and out.count("stale") >= 4
+    # running again executes every step with the new code; the old folders stay, still stale
+    assert pipeline.run(s, runs_dir=runs, log=None, report_html=False).count("done", skipped=False) == 3
+    rows = pipeline.status(s, runs_dir=runs)
+    assert sorted(r["state"] for r in rows) == ["done"] * 3 + ["stale"] * 3
+    assert cli(["status", str(s), "--runs", str(runs)]) == 0
+    # a run made by this code for other parameters is not stale, only not part of this spec
+    s.write_text(s.read_text().replace("x: 7", "x: 8"))
+    assert [r["state"] for r in pipeline.status(s, runs_dir=runs)].count("stale") == 3

@@ -82,9 +82,11 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
                 secs = f"{r['seconds']:8.1f} s" if r["seconds"] is not None else " " * 10
                 err = f"  {r['error'].splitlines()[0]}" if r["error"] else ""
                 print(f"{r['step']:<16} {r['key']}  {r['state']:<8}{secs}{err}")
-            counts = {s: sum(r["state"] == s for r in rows) for s in ("done", "failed", "partial", "pending")}
-            print(", ".join(f"{n} {s}" for s, n in counts.items()))
-            return 0 if counts["done"] == len(rows) else 1
+            counts = {s: sum(r["state"] == s for r in rows) for s in ("done", "failed", "partial", "pending", "stale")}
+            print(", ".join(f"{n} {s}" for s, n in counts.items())
+                  + ("  (stale: made by older workbench code; `workbench run` makes current ones)"
+                     if counts["stale"] else ""))
+            return 0 if counts["done"] == len(rows) - counts["stale"] else 1
         if args.cmd == "report":
             print(pipeline.report(args.spec, profile=args.profile, runs_dir=args.runs))
             return 0
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
     for name, text in (("run", "run a pipeline's notebooks (skips runs that already completed)"),
-                       ("status", "show each run of a pipeline: done, failed, partial or pending"),
+                       ("status", "show each run of a pipeline: done, failed, partial, pending or stale"),
                        ("report", "(re)write runs/<pipeline>/report.html"),
                        ("clean", "delete a pipeline's runs")):
         c = sub.add_parser(name, help=text)

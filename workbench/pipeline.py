@@ -22,8 +22,10 @@ A spec (``pipelines/<name>.yaml``)::
 
 Every parameter is checked against the notebook's declared ones (`papermill.inspect_notebook`) before
 anything runs: unknown names and wrong types are rejected. Each run's key hashes its parameters, the
-notebook's code (cells, not outputs), the workbench version and the keys of the runs it consumes, so
-a re-run skips what completed and reruns only what changed. A run executes in
+notebook's code (cells, not outputs), the workbench version, a digest of the `workbench` package's
+source (`library_digest`) and the keys of the runs it consumes, so a re-run skips what completed and
+reruns only what changed, including after an edit to the library. `status` lists completed runs made
+by older library code as "stale". A run executes in
 ``runs/<pipeline>/<step>/.<key>.partial/`` (the notebook's working directory, `out_dir="."`), under a
 per-run file lock, and is renamed to ``runs/<pipeline>/<step>/<key>/`` with a ``run.json`` record
 when it ends, done or failed; a failed or interrupted run restarts in its old folder (a training
@@ -39,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
 import hashlib
 import html
 import itertools
@@ -54,7 +57,8 @@ from typing import Any
 
 from .io import atomic_write_bytes
 
-REPO = Path(__file__).resolve().parent.parent
+LIBRARY = Path(__file__).resolve().parent  # the `workbench` package whose source enters every run key
+REPO = LIBRARY.parent
 PIPELINES_DIR = REPO / "pipelines"
 NOTEBOOKS_DIR = REPO / "notebooks"
 SPEC_KEYS = {"name", "description", "steps", "profiles"}
@@ -111,6 +115,7 @@ class RunJob:
     params: dict
     upstream: list[str] = field(default_factory=list)  # keys of consumed runs
     threads: int = 0  # torch threads in the kernel (0: leave the default)
+    library: str = ""  # library_digest() the key was made with; recorded in run.json
 
 
 # ---- spec loading ----------------------------------------------------------------------------------
@@ -251,11 +256,32 @@ def notebook_hash(path: Path) -> str:
     return hashlib.sha256(json.dumps(cells).encode()).hexdigest()
 
 
-def run_key(nb_hash: str, params: dict, upstream: Iterable[str] = ()) -> str:
-    """Return a run's key: sha256 of notebook hash, parameters, workbench version and consumed runs' keys."""
+@functools.lru_cache(maxsize=None)
+def _source_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py"), key=lambda q: q.relative_to(root).as_posix()):
+        rel = f.relative_to(root).as_posix()
+        if "__pycache__" in rel.split("/"):
+            continue
+        # path and content both count: a moved module changes imports as surely as an edited one
+        h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def library_digest(root: str | os.PathLike | None = None) -> str:
+    """Return the sha256 over every .py file of the package at `root` (default: `workbench`), by relative path.
+
+    Computed once per process and root: an edit made while a pipeline runs does not split its keys.
+    """
+    return _source_digest(Path(root).resolve() if root is not None else LIBRARY)
+
+
+def run_key(nb_hash: str, params: dict, upstream: Iterable[str] = (), library: str | None = None) -> str:
+    """Return a run's key: sha256 of notebook hash, parameters, workbench version, library digest and consumed runs' keys."""
     from . import __version__
 
     blob = json.dumps({"notebook": nb_hash, "params": params, "version": __version__,
+                       "library": library_digest() if library is None else library,
                        "upstream": list(upstream)}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -272,6 +298,7 @@ def expand(pipe: Pipeline, runs_dir: str | os.PathLike = "runs") -> list[RunJob]
     by_step: dict[str, list[RunJob]] = {}
     out: list[RunJob] = []
     hashes: dict[Path, str] = {}
+    lib = library_digest()
     for step in pipe.steps:
         nbh = hashes.setdefault(step.notebook, notebook_hash(step.notebook))
         sources = [[]]
@@ -295,8 +322,9 @@ def expand(pipe: Pipeline, runs_dir: str | os.PathLike = "runs") -> list[RunJob]
                     params[param] = [str(u.dir) for u in ups]
                     keyed[param] = [f"run:{u.key}" for u in ups]
                     upstream += [u.key for u in ups]
-                key = run_key(nbh, keyed, upstream)[:16]
-                jobs.append(RunJob(pipe.name, step.name, key, root / step.name / key, step.notebook, params, upstream))
+                key = run_key(nbh, keyed, upstream, lib)[:16]
+                jobs.append(RunJob(pipe.name, step.name, key, root / step.name / key, step.notebook, params,
+                                   upstream, library=lib))
         by_step[step.name] = jobs
         out += jobs
     return out
@@ -436,7 +464,8 @@ def execute_run(job: RunJob) -> dict:
                   "status": "failed" if error else "done", "error": error,
                   "notebook": str(job.notebook), "params": job.params, "upstream": job.upstream,
                   "started": started, "finished": _now(), "seconds": round(time.perf_counter() - t0, 3),
-                  "workbench_version": __version__, "git_commit": git_commit()}
+                  "workbench_version": __version__, "library": job.library or library_digest(),
+                  "git_commit": git_commit()}
         atomic_write_bytes(work / "run.json", json.dumps(record, indent=1, default=str).encode())
         os.replace(work, final)
     return record
@@ -596,20 +625,38 @@ def _drop_upstream(pipe: Pipeline, job: RunJob, bad: set[str]) -> RunJob:
         dirs = [d for d in params[param] if Path(d).name not in bad]
         params[param] = dirs
         keyed[param] = [f"run:{Path(d).name}" for d in dirs]
-    key = run_key(notebook_hash(job.notebook), keyed, upstream)[:16]
-    return RunJob(job.pipeline, job.step, key, job.dir.parent / key, job.notebook, params, upstream)
+    lib = job.library or library_digest()
+    key = run_key(notebook_hash(job.notebook), keyed, upstream, lib)[:16]
+    return RunJob(job.pipeline, job.step, key, job.dir.parent / key, job.notebook, params, upstream, library=lib)
 
 
 def status(spec: str | os.PathLike, profile: str | None = None, runs_dir: str | os.PathLike = "runs") -> list[dict]:
-    """Return one row per run of the spec: step, key, state (done, failed, partial, pending), seconds, folder."""
+    """Return one row per run of the spec (state done, failed, partial or pending), then one per stale run.
+
+    A stale run is a completed folder of one of the spec's steps whose key the current code no longer
+    produces and whose recorded library digest differs from the current one (or is absent: made before
+    digests were recorded): its results came from older library code. Each row has step, key, state,
+    seconds, error and dir.
+    """
     pipe = load_spec(spec, profile)
     rows = []
-    for job in expand(pipe, runs_dir):
+    jobs = expand(pipe, runs_dir)
+    for job in jobs:
         rec = read_record(job.dir)
         partial = job.dir.parent / f".{job.dir.name}.partial"
         state = rec["status"] if rec else ("partial" if partial.exists() else "pending")
         rows.append({"step": job.step, "key": job.key, "state": state, "seconds": (rec or {}).get("seconds"),
                      "error": (rec or {}).get("error"), "dir": str(job.dir)})
+    current = {j.dir for j in jobs}
+    lib = library_digest()
+    root = Path(runs_dir).resolve() / pipe.name
+    for step in pipe.steps:
+        for d in sorted((root / step.name).glob("*")):
+            rec = read_record(d) if d.is_dir() and d not in current else None
+            if rec is None or rec.get("status") != "done" or rec.get("library") == lib:
+                continue  # not a finished run, a current one, or one made by this code for other parameters
+            rows.append({"step": step.name, "key": d.name, "state": "stale", "seconds": rec.get("seconds"),
+                         "error": None, "dir": str(d)})
     return rows
 
 
