@@ -16,6 +16,7 @@ from .halting import halting
 from .interaction import interaction
 from .lens import lens
 from .protocol import Loopable, as_loopable
+from .view import loop_view
 
 __all__ = ["geometry", "interaction", "lost_gradient", "loop_gradients", "LoopGradients", "lens", "halting",
-           "Loopable", "as_loopable"]
+           "Loopable", "as_loopable", "loop_view"]
