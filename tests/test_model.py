@@ -60,8 +60,8 @@ def ref_inject(model, h, h0):
         d = h.shape[-1]
         return h @ inj.weight[:, :d].T + h0 @ inj.weight[:, d:].T
     A = -torch.exp(inj.A_log)
-    dt = torch.exp(inj.log_dt)
-    return torch.exp(dt * A) * h + dt * inj.B * h0
+    dt = F.softplus(inj.dt)
+    return torch.exp(dt * A) * h + dt * (h0 @ inj.B.T)
 
 
 def ref_states(model, x, r, T=None):

@@ -141,7 +141,7 @@ def param_groups(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Param
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        hidden = (name.endswith(_MUON_SUFFIXES) or name in ("inject.weight", "inject.W_p", "inject.W_s")
+        hidden = (name.endswith(_MUON_SUFFIXES) or name in ("inject.weight", "inject.B", "inject.W_p", "inject.W_s")
                   or (name.startswith("history.lags.") and p.ndim == 2))
         (muon if hidden and p.ndim == 2 else adamw).append((name, p))
     return muon, adamw

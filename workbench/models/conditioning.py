@@ -15,6 +15,8 @@ from torch import nn
 
 from .layers import Mod, RMSNorm
 
+STABLE_INIT_DECAY = math.sqrt(1 / 5)  # Parcae's default `ssm_decay`: each channel's decay exp(dt A) at init
+
 
 class InitialInjection(nn.Module):
     """T(h, h0): mix the prelude output h0 back into the loop state before every core pass."""
@@ -30,19 +32,21 @@ class InitialInjection(nn.Module):
         elif kind == "dense":  # [W_h W_0] [h; h0], one matmul over the concatenation
             self.weight = nn.Parameter(torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1))
         elif kind == "stable":
-            # Parcae: A = -exp(A_log) diagonal, step dt = exp(log_dt); zero-order hold A_bar = exp(dt A)
-            # lies in (0, 1) for any parameters, so the linear carry cannot blow up; Euler B_bar = dt B.
-            # Init (A_log = 0, log_dt = 0, B = 0.1) follows public Parcae re-implementations.
+            # Parcae's diagonal injection (SPEC §1): A = -exp(A_log) and step dt = softplus(dt) per channel,
+            # zero-order hold decay exp(dt A) in (0, 1) for any parameters, so the carry cannot blow up;
+            # h0 enters through a full d x d matrix B. Init as Parcae's ParcaeInit: A_log = 0 (A = -1),
+            # dt = softplus^-1(-log(sqrt(1/5))) so every channel starts with decay sqrt(1/5) ~ 0.447, B = I.
             self.A_log = nn.Parameter(torch.zeros(d))
-            self.log_dt = nn.Parameter(torch.zeros(()))
-            self.B = nn.Parameter(torch.full((d,), 0.1))
+            step = -math.log(STABLE_INIT_DECAY)
+            self.dt = nn.Parameter(torch.full((d,), step + math.log(-math.expm1(-step))))  # inverse softplus
+            self.B = nn.Parameter(torch.eye(d))
         else:
             raise ValueError(f"inject={kind!r} is invalid: must be one of scalar, channel, dense, stable")
 
     def discretized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (A_bar, B_bar) of the stable form, each [d]; A_bar is in (0, 1) elementwise."""
-        A_bar = torch.exp(-torch.exp(self.A_log + self.log_dt))
-        return A_bar, torch.exp(self.log_dt) * self.B
+        """Return (decay, step) of the stable form, each [d]: decay = exp(step * A) in (0, 1), step = softplus(dt)."""
+        step = F.softplus(self.dt)
+        return torch.exp(-step * torch.exp(self.A_log)), step
 
     def forward(self, h: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
         """Return T(h, h0), same shape as h."""
@@ -52,8 +56,8 @@ class InitialInjection(nn.Module):
             return self.a * h + self.b * h0
         if self.kind == "dense":
             return torch.cat([h, h0.expand_as(h)], dim=-1) @ self.weight.T
-        A_bar, B_bar = self.discretized()
-        return A_bar * h + B_bar * h0
+        decay, step = self.discretized()
+        return decay * h + step * F.linear(h0, self.B)
 
 
 class ReentryBridge(nn.Module):
