@@ -45,8 +45,47 @@ def test_load_run_reopens_the_same_model_and_held_out_data(trained):
     assert (windows == first).all(1).any()  # the batch is a window of the validation split
     ds = loop_sweep(again.model, batch, [1, 2], progress=False)
     assert np.isfinite(ds.loss.values).all()
-    with pytest.raises(FileNotFoundError, match="not a training run"):
-        load_run(out / "model" / "latest.json")
+    with pytest.raises(FileNotFoundError, match="not a run or checkpoint folder"):
+        load_run(out / "latest.json")
+    with pytest.raises(FileNotFoundError, match="path='' is invalid"):
+        load_run("")
+
+
+def test_run_folder_layout_and_older_layouts_open(trained, tmp_path):
+    """train_run writes config.json + tokenizer + checkpoints + metrics in the run folder; the layouts
+    written before (train_run's model/ subfolder with experiment.json, a bare Trainer out_dir) still open."""
+    import json
+    import shutil
+
+    from workbench.io import open_run, read_run_config
+
+    out, run, _ = trained
+    assert {"config.json", "tokenizer.json", "latest.json", "metrics.nc", "results.nc"} <= {p.name for p in out.iterdir()}
+    conf = read_run_config(out)
+    assert conf["data"] == run.experiment and conf["model"] == json.loads(run.model.cfg.to_json())
+    ids = torch.tensor([run.tokenizer.encode("def f(x): return x")])
+    with torch.no_grad():
+        ref = run.model.cpu()(ids, loops=2).logits
+    # train_run before the layout was unified: <run>/model/{ckpt-*, latest.json, tokenizer.json, experiment.json}
+    old = tmp_path / "old"
+    shutil.copytree(out, old / "model", ignore=shutil.ignore_patterns("results.nc", "config.json"))
+    (old / "model" / "experiment.json").write_text(json.dumps(conf["data"]))
+    # a bare Trainer out_dir: checkpoints only, tokenizer passed in
+    bare = tmp_path / "bare"
+    shutil.copytree(out, bare, ignore=shutil.ignore_patterns("*.nc", "config.json", "tokenizer.json"))
+    for path in (old, old / "model", next((old / "model").glob("ckpt-*"))):
+        again = load_run(path, device="cpu")
+        assert again.experiment == run.experiment
+        model, tok = open_run(path)
+        assert tok.fingerprint == run.tokenizer.fingerprint
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, loops=2).logits, ref, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="is not byte-level"):
+        open_run(bare)
+    model, _ = open_run(bare, tokenizer=run.tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, loops=2).logits, ref, rtol=0, atol=0)
+    assert read_run_config(bare)["data"] == {}
 
 
 def test_rerun_resumes_from_the_checkpoint(trained, tmp_path):

@@ -32,26 +32,18 @@ def demo(steps: int = 200, seed: int = 0, max_loops: int = 8, progress: bool = T
 
 
 def train(args: argparse.Namespace) -> int:
-    """Return 0 after training a LoopLM on a corpus with `Trainer` (checkpoints and metrics in --out)."""
+    """Return 0 after training a LoopLM on a corpus into the run folder --out (the layout of `workbench.io`).
+
+    The run goes through `experiments.train_run`, the same code as the train notebook and the pipeline,
+    so `load_run`, the sweep notebooks and the explorer open it.
+    """
     import json
     from pathlib import Path
 
-    from .data.corpus import Tokenizer, load_corpus, tokenize_corpus, train_tokenizer
-    from .train import Trainer, TrainConfig
+    from .experiments import train_run
 
     out = Path(args.out)
-    corpus = load_corpus(args.corpus)
-    tok_path = out / "tokenizer.json"
-    if args.resume and tok_path.exists():
-        tok = Tokenizer.load(tok_path)
-    else:
-        tok = train_tokenizer(corpus, vocab_size=args.vocab_size, max_train_bytes=2_000_000, seed=args.seed)
-        out.mkdir(parents=True, exist_ok=True)
-        tok.save(tok_path)
-    data = tokenize_corpus(corpus, tok, progress=not args.no_progress)
     model_fields = json.loads(Path(args.config).read_text()) if args.config else {}
-    model_fields.setdefault("vocab_size", tok.vocab_size)
-    cfg = LoopConfig.from_dict(model_fields)
     train_fields = json.loads(Path(args.train_config).read_text()) if args.train_config else {}
     for key in ("steps", "seed"):
         if getattr(args, key) is not None:
@@ -60,10 +52,11 @@ def train(args: argparse.Namespace) -> int:
         train_fields["steps"] = 200
     train_fields.setdefault("progress", not args.no_progress)
     train_fields.setdefault("eval_every", 50)
-    tc = TrainConfig(**train_fields)
-    ds = Trainer(cfg, tc, data.train, data.val, out_dir=out, resume=args.resume).run()
-    print(f"trained {cfg.notation} for {tc.steps or ds.attrs['total_steps']} steps; final loss "
-          f"{float(ds.loss[-1]):.3f}; metrics in {out / 'metrics.nc'}, checkpoint in {out}")
+    run, ds = train_run(out, model_fields, train_fields, corpus=args.corpus, vocab_size=args.vocab_size,
+                        seed=train_fields.get("seed", 0), progress=not args.no_progress, resume=args.resume)
+    print(f"trained {run.model.cfg.notation} for {ds.sizes['step']} steps; final loss "
+          f"{float(ds.train_loss[-1]):.3f}; run folder {out} (config.json, tokenizer.json, checkpoints, "
+          "metrics.nc, results.nc)")
     return 0
 
 
@@ -109,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-loops", type=int, default=8, help="evaluate r = 1..max-loops")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t = sub.add_parser("train", help="train a looped LM on a corpus (checkpoints, metrics, resume)")
-    t.add_argument("--out", required=True, help="run folder: checkpoints, metrics.nc, tokenizer.json")
+    t.add_argument("--out", required=True, help="run folder: config.json, tokenizer.json, checkpoints, metrics.nc")
     t.add_argument("--corpus", default="stdlib", help="stdlib, shakespeare, path:DIR_OR_FILE or hf:NAME")
     t.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     t.add_argument("--config", help="JSON file of LoopConfig fields (vocab_size defaults to the tokenizer's)")

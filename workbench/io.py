@@ -1,13 +1,44 @@
-"""Provenance for results, atomic writes (so an interrupted run never leaves half a file), netCDF."""
+"""Files: provenance for results, atomic writes, netCDF, safetensors checkpoints and the run folder.
+
+Every training run (`workbench train --out DIR`, `experiments.train_run`, the train notebook, a
+pipeline's train step) writes ONE layout, and `open_run` / `load_model` read it:
+
+    <run>/
+      config.json          {"model": LoopConfig fields, "train": TrainConfig fields,
+                            "data": {corpus, tasks, task_ratio, task_depths, seed, vocab_size}}
+      tokenizer.json       the run's tokenizer (tokenizers JSON, `data.corpus.Tokenizer`)
+      latest.json          {"checkpoint": "ckpt-00000400", "step": 400}: the newest complete checkpoint
+      ckpt-00000400/       model.safetensors, optim.safetensors, state.json (step, model and train
+                           config, sampler position, RNG state, metrics so far)
+      metrics.nc           per-step training metrics (the Trainer's)
+      results.nc           summary Dataset (train_run and the train notebook: loss per loop, ...)
+
+A pipeline's run folder is the same folder, plus the runner's run.json, notebook.ipynb and figures/.
+A checkpoint is written to a temporary folder and renamed into place; latest.json is replaced only
+after that, so a run killed mid-write resumes from the previous checkpoint. Never pickle.
+
+Also opened (written by older code): `<run>/model/` holding the checkpoints, tokenizer.json and
+experiment.json (train_run before the layout was unified), and a bare Trainer out_dir (checkpoints
+and latest.json only; the tokenizer is given, or bytes for a 256-id model).
+"""
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: io sits below models at run time
+    from .models.looped import LoopLM
+
+RUN_CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+LATEST = "latest.json"
 
 
 def git_commit(path: str | os.PathLike | None = None) -> str:
@@ -67,3 +98,188 @@ def _umask() -> int:
 def save_netcdf(ds, path: str | os.PathLike) -> Path:
     """Return the path after writing an xarray Dataset as netCDF (engine h5netcdf) atomically."""
     return atomic_write_bytes(path, bytes(ds.to_netcdf(engine="h5netcdf")))
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------
+def _optim_state(opts) -> tuple[dict, list]:
+    """Return (tensors, meta): optimiser states split into safetensors tensors and JSON metadata."""
+    import torch
+
+    tensors, meta = {}, []
+    for i, opt in enumerate(opts):
+        sd = opt.state_dict()
+        state_meta = {}
+        for pid, st in sd["state"].items():
+            entry = {}
+            for key, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"{i}.{pid}.{key}"] = v.detach().cpu().contiguous()
+                    entry[key] = "tensor"
+                else:
+                    entry[key] = v
+            state_meta[str(pid)] = entry
+        meta.append({"state": state_meta, "param_groups": sd["param_groups"]})
+    return tensors, meta
+
+
+def _load_optim_state(opts, tensors, meta) -> None:
+    """Load optimiser states written by `_optim_state` back into opts (same order)."""
+    for i, (opt, m) in enumerate(zip(opts, meta)):
+        state = {}
+        for pid, entry in m["state"].items():
+            state[int(pid)] = {k: (tensors[f"{i}.{pid}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
+        opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
+
+
+def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict, keep: int = 1) -> Path:
+    """Return the folder of a new complete checkpoint, written then published atomically via latest.json."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    step = int(state["step"])
+    final = out / f"ckpt-{step:08d}"
+    tmp = out / f".ckpt-{step:08d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"))
+    tensors, meta = _optim_state(opts)
+    save_file(tensors, str(tmp / "optim.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({**state, "optim": meta}))
+    for f in tmp.iterdir():  # make the bytes durable before the folder becomes visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    atomic_write_bytes(out / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
+    old = sorted(p for p in out.glob("ckpt-*") if p.is_dir() and p != final)
+    for p in old[:max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """Return the newest complete checkpoint folder under out_dir, or None."""
+    pointer = Path(out_dir) / LATEST
+    if not pointer.exists():
+        return None
+    path = Path(out_dir) / json.loads(pointer.read_text())["checkpoint"]
+    return path if (path / "state.json").exists() else None
+
+
+# ---- run folders ---------------------------------------------------------------------------------------
+def find_run(path: str | os.PathLike) -> tuple[Path, Path]:
+    """Return (run folder, checkpoint folder) for a run folder, a checkpoint folder in one, or an older layout.
+
+    Raises FileNotFoundError naming the path when it holds no checkpoint.
+    """
+    if not str(path).strip():
+        raise FileNotFoundError("path='' is invalid: give a run folder (e.g. a pipeline's "
+                                "runs/<pipeline>/train/<key> or `workbench train --out` DIR) or a checkpoint in one")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"path={str(path)!r} does not exist: give a run folder or a checkpoint folder")
+    if p.is_dir() and (p / "state.json").is_file():
+        return p.parent, p
+    for run in (p, p / "model"):  # p / "model": train_run's layout before the run folder was unified
+        if run.is_dir() and (run / LATEST).is_file():
+            ckpt = latest_checkpoint(run)
+            if ckpt is None:
+                raise FileNotFoundError(f"{run / LATEST} names a checkpoint that is missing or incomplete")
+            return run, ckpt
+    raise FileNotFoundError(f"path={str(path)!r} is not a run or checkpoint folder: expected latest.json (a run "
+                            "folder) or state.json and model.safetensors (a checkpoint folder)")
+
+
+def load_model(path: str | os.PathLike, device=None) -> LoopLM:
+    """Return the LoopLM of a checkpoint folder, or of a run folder's latest checkpoint (any layout `find_run` reads).
+
+    Raises FileNotFoundError when there is no checkpoint and ValueError when its config cannot be built
+    or its weights do not fit its config.
+    """
+    from safetensors.torch import load_file
+
+    from .config import LoopConfig
+    from .models.looped import LoopLM
+
+    _, ckpt = find_run(path)
+    state = json.loads((ckpt / "state.json").read_text())
+    try:
+        cfg = LoopConfig.from_json(state["model_config"])
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"the checkpoint at {ckpt} has a model_config this workbench cannot build: {e}") from None
+    model = LoopLM(cfg)
+    try:
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    except RuntimeError as e:  # load_state_dict: missing, unexpected or mis-shaped weights
+        detail = " ".join(line.strip() for line in str(e).strip().splitlines()[:3])
+        raise ValueError(f"the checkpoint at {ckpt} holds weights of another config than its state.json "
+                         f"describes: {detail[:400]}") from None
+    return model.to(device or "cpu")
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
+    """Return the tokenizer of a run or checkpoint folder: its tokenizer.json, else bytes for a 256-id model.
+
+    Looks in the checkpoint folder, then its run folder. Raises FileNotFoundError when there is no
+    tokenizer.json and `vocab_size` is not 256, ValueError when the file cannot be read.
+    """
+    from .data.corpus import ByteTokenizer, Tokenizer
+
+    run, ckpt = find_run(path)
+    for candidate in (ckpt / TOKENIZER, run / TOKENIZER):
+        if candidate.is_file():
+            try:
+                return Tokenizer.load(candidate)
+            except Exception as e:  # the tokenizers library raises its own exception types besides ValueError
+                raise ValueError(f"cannot read the tokenizer at {candidate}: {e}") from None
+    if vocab_size == 256:
+        return ByteTokenizer()
+    raise FileNotFoundError(f"no {TOKENIZER} in {ckpt} or {run}, and the model's vocab_size={vocab_size} is not "
+                            "byte-level (256): pass tokenizer=")
+
+
+def open_run(path: str | os.PathLike, device=None, tokenizer=None) -> tuple[LoopLM, Any]:
+    """Return (model, tokenizer) of a run folder (its latest checkpoint) or of a checkpoint folder inside one.
+
+    Opens every layout written so far (see the module docstring). `tokenizer` replaces the run's own.
+    The model is in eval mode on `device` (default CPU). Raises FileNotFoundError (no checkpoint, or
+    no tokenizer for a non-byte model) or ValueError (unbuildable config, weights that do not fit it,
+    an unreadable tokenizer, or one with more ids than the model's vocabulary).
+    """
+    model = load_model(path, device=device).eval()
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, model.cfg.vocab_size)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model at {path} has vocab_size="
+                         f"{model.cfg.vocab_size}: it is not this model's tokenizer")
+    return model, tokenizer
+
+
+def write_run_config(run_dir: str | os.PathLike, model: Any, train: Any, data: dict) -> Path:
+    """Return the path of `<run>/config.json` after writing the model, train and data configs there atomically.
+
+    `model` and `train` are a LoopConfig and a TrainConfig (or their dicts); `data` says how the run's
+    text and tokenizer were made (corpus, tasks, task_ratio, task_depths, seed, vocab_size).
+    """
+    def as_dict(c):
+        return json.loads(c.to_json()) if hasattr(c, "to_json") else dict(c)
+
+    blob = {"model": as_dict(model), "train": as_dict(train), "data": dict(data)}
+    return atomic_write_bytes(Path(run_dir) / RUN_CONFIG, json.dumps(blob, indent=1).encode())
+
+
+def read_run_config(path: str | os.PathLike) -> dict:
+    """Return {"model", "train", "data"} of the run holding `path` (any layout `find_run` reads).
+
+    Older layouts: "data" comes from experiment.json, or is {} when the run never recorded it (a
+    `workbench train` run from before config.json); "model" and "train" from the latest checkpoint.
+    """
+    run, ckpt = find_run(path)
+    if (run / RUN_CONFIG).is_file():
+        return json.loads((run / RUN_CONFIG).read_text())
+    state = json.loads((ckpt / "state.json").read_text())
+    exp = run / "experiment.json"
+    return {"model": json.loads(state["model_config"]),
+            "train": json.loads(state["train_config"]) if "train_config" in state else {},
+            "data": json.loads(exp.read_text()) if exp.is_file() else {}}

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -33,10 +32,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import xarray as xr
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .config import LoopConfig
-from .io import atomic_write_bytes, provenance, save_netcdf
+from .io import provenance, save_netcdf
 from .models.looped import LoopLM, lm_loss
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -240,78 +239,8 @@ def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, wei
     return total / norm
 
 
-# ---- checkpoints ---------------------------------------------------------------------------------------
-def _optim_state(opts: list[torch.optim.Optimizer]) -> tuple[dict[str, torch.Tensor], list]:
-    tensors, meta = {}, []
-    for i, opt in enumerate(opts):
-        sd = opt.state_dict()
-        state_meta = {}
-        for pid, st in sd["state"].items():
-            entry = {}
-            for key, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"{i}.{pid}.{key}"] = v.detach().cpu().contiguous()
-                    entry[key] = "tensor"
-                else:
-                    entry[key] = v
-            state_meta[str(pid)] = entry
-        meta.append({"state": state_meta, "param_groups": sd["param_groups"]})
-    return tensors, meta
-
-
-def _load_optim_state(opts, tensors, meta) -> None:
-    for i, (opt, m) in enumerate(zip(opts, meta)):
-        state = {}
-        for pid, entry in m["state"].items():
-            state[int(pid)] = {k: (tensors[f"{i}.{pid}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
-        opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
-
-
-def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict, keep: int = 1) -> Path:
-    """Return the folder of a new complete checkpoint, written then published atomically via latest.json."""
-    out = Path(out_dir)
-    step = int(state["step"])
-    final = out / f"ckpt-{step:08d}"
-    tmp = out / f".ckpt-{step:08d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    tensors, meta = _optim_state(opts)
-    save_file(tensors, str(tmp / "optim.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({**state, "optim": meta}))
-    for f in tmp.iterdir():  # make the bytes durable before the folder becomes visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    atomic_write_bytes(out / "latest.json", json.dumps({"checkpoint": final.name, "step": step}).encode())
-    old = sorted(p for p in out.glob("ckpt-*") if p.is_dir() and p != final)
-    for p in old[:max(0, len(old) - (keep - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """Return the newest complete checkpoint folder under out_dir, or None."""
-    pointer = Path(out_dir) / "latest.json"
-    if not pointer.exists():
-        return None
-    path = Path(out_dir) / json.loads(pointer.read_text())["checkpoint"]
-    return path if (path / "state.json").exists() else None
-
-
-def load_model(path: str | os.PathLike, device=None) -> LoopLM:
-    """Return the LoopLM saved in a checkpoint folder (or a run folder's latest checkpoint)."""
-    path = Path(path)
-    if (path / "latest.json").exists():
-        path = latest_checkpoint(path)
-    if path is None or not (path / "state.json").exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    state = json.loads((path / "state.json").read_text())
-    model = LoopLM(LoopConfig.from_json(state["model_config"]))
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
-    return model.to(device or "cpu")
+# ---- checkpoints: they live in io.py (one home for files); re-exported so train.save_checkpoint etc. still work
+from .io import _load_optim_state, _optim_state, latest_checkpoint, load_model, save_checkpoint  # noqa: E402,F401
 
 
 # ---- the trainer -----------------------------------------------------------------------------------------

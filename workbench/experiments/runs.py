@@ -1,13 +1,12 @@
 """Experiment glue the notebooks call: train one config end to end, reopen a run, build law tables.
 
-A training run folder (what `train_run` writes, and what the `train` notebook leaves in a pipeline run):
+`train_run` writes the one run-folder layout of `workbench.io` (config.json, tokenizer.json,
+checkpoints, metrics.nc), the layout `workbench train --out` writes too (it calls `train_run`), plus
+`results.nc`: loss/accuracy per loop, training curve, N_once, N_rec, tokens, ...
 
-    <run>/model/            Trainer checkpoints (safetensors + JSON), latest.json, metrics.nc,
-                            tokenizer.json and experiment.json (corpus, tasks, seed: how to rebuild the data)
-    <run>/results.nc        summary Dataset: loss/accuracy per loop, training curve, N_once, N_rec, tokens, ...
-
-`load_run(path)` reopens either the run folder or the model folder; `Run.val_tokens` rebuilds
-validation batches of the same corpus and tokenizer, so probes downstream see held-out text.
+`load_run(path)` reopens a run folder, a checkpoint folder in one, or an older layout (`io.open_run`);
+`Run.val_tokens` rebuilds validation batches of the same corpus and tokenizer (config.json's "data"),
+so probes downstream see held-out text.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 import xarray as xr
 
 from ..config import LoopConfig
-from ..io import atomic_write_bytes, provenance, save_netcdf
+from ..io import TOKENIZER, provenance, save_netcdf, write_run_config
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
@@ -74,7 +73,7 @@ def mixed_corpus(corpus: str = "stdlib", tasks: Sequence[str] = (), task_ratio: 
 
 @dataclass
 class Run:
-    """A trained model reopened from its run folder: model, tokenizer and how its data was made."""
+    """A trained model reopened from its run folder: model, tokenizer, how its data was made (config.json's "data")."""
 
     model: Any
     tokenizer: Any
@@ -88,6 +87,10 @@ class Run:
             from ..data.corpus import tokenize_corpus
 
             e = self.experiment
+            if "corpus" not in e:
+                raise ValueError(f"the run at {self.path} does not record its corpus (no \"data\" in config.json, "
+                                 "no experiment.json): retrain it with `workbench train` or train_run to get "
+                                 "validation text")
             corpus = mixed_corpus(e["corpus"], e.get("tasks", []), e.get("task_ratio", 0.2),
                                   e.get("task_depths") or None, seed=e.get("seed", 0))
             self._data = tokenize_corpus(corpus, self.tokenizer, progress=False)
@@ -107,43 +110,40 @@ class Run:
 
 
 def load_run(path: str | os.PathLike, device=None) -> Run:
-    """Return the Run saved at `path` (a run folder holding model/, or the model folder itself)."""
-    from ..data.corpus import Tokenizer
-    from ..train import load_model
+    """Return the Run saved at `path`: a run folder, a checkpoint folder in one, or an older layout (io.open_run).
 
-    path = Path(path)
-    if not str(path):
-        raise ValueError("checkpoint='' is invalid: give the folder of a training run (e.g. a pipeline's "
-                         "runs/<pipeline>/train/<key>) or its model/ folder")
-    model_dir = path / "model" if (path / "model").is_dir() else path
-    if not (model_dir / "experiment.json").exists():
-        raise FileNotFoundError(f"checkpoint={str(path)!r} is not a training run: no experiment.json in "
-                                f"{model_dir} (write one with workbench.experiments.train_run or the train notebook)")
+    The model is in eval mode on `device` (default CUDA when present, else CPU).
+    """
+    from ..io import find_run, open_run, read_run_config
+
+    run_dir, _ = find_run(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, device=device).eval()
-    tok = Tokenizer.load(model_dir / "tokenizer.json")
-    return Run(model, tok, json.loads((model_dir / "experiment.json").read_text()), path)
+    model, tok = open_run(path, device=device)
+    return Run(model, tok, read_run_config(path)["data"], run_dir)
 
 
 def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
               tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
-              eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False) -> tuple[Run, xr.Dataset]:
+              eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
+              resume: bool = True) -> tuple[Run, xr.Dataset]:
     """Return (Run, results Dataset) after training LoopConfig(**model) with TrainConfig(**train) on a corpus.
 
-    Resumes from the checkpoint in `out_dir/model` when one exists (an interrupted pipeline run picks
-    up where it stopped). Results: validation loss and accuracy per loop (below, at and beyond K), the
-    training curve, the parameter split N_once / N_rec, tokens seen, and per-loop task accuracy when
-    tasks are mixed in. The same data is written to `out_dir/results.nc`.
+    `out_dir` becomes a run folder (layout in `workbench.io`). With `resume=True` (default) training
+    continues from its latest checkpoint when one exists (an interrupted pipeline run picks up where it
+    stopped) and the saved tokenizer is reused; `resume=False` starts over. Results: validation loss and
+    accuracy per loop (below, at and beyond K), the training curve, the parameter split N_once / N_rec,
+    tokens seen, and per-loop task accuracy when tasks are mixed in. The same data is written to
+    `out_dir/results.nc`.
     """
     from ..data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
     from ..evals import loop_sweep
-    from ..train import Trainer, TrainConfig, latest_checkpoint
+    from ..train import Trainer, TrainConfig
 
-    out, model_dir = Path(out_dir), Path(out_dir) / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed)
-    tok_path = model_dir / "tokenizer.json"
-    if tok_path.exists():
+    tok_path = out / TOKENIZER
+    if resume and tok_path.exists():
         tok = Tokenizer.load(tok_path)
     else:
         tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=seed)
@@ -151,7 +151,6 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     data = tokenize_corpus(text, tok, progress=progress)
     experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
                   "task_depths": list(task_depths or []), "seed": seed, "vocab_size": tok.vocab_size}
-    atomic_write_bytes(model_dir / "experiment.json", json.dumps(experiment, indent=1).encode())
 
     cfg = LoopConfig.from_dict({"vocab_size": tok.vocab_size, **model})
     # periodic checkpoints: a killed pipeline run resumes from the last one instead of starting over
@@ -159,8 +158,9 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     if tfields.get("eval_loops") is not None:
         tfields["eval_loops"] = tuple(tfields["eval_loops"])
     tc = TrainConfig(**tfields)
+    write_run_config(out, cfg, tc, experiment)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, tc, data.train, data.val, out_dir=model_dir, resume=latest_checkpoint(model_dir) is not None)
+    trainer = Trainer(cfg, tc, data.train, data.val, out_dir=out, resume=resume)
     metrics = trainer.run()
     wall = time.perf_counter() - t0
     net = trainer.model.eval()
