@@ -4,8 +4,9 @@ Everything public is re-exported here, so `from workbench.experiments import tra
 keeps working whichever module holds the code.
 """
 
+from .explorer import find_quickstart_checkpoint, open_model, tiny_model
 from .runs import (TASK_DEPTHS, Run, demo_trainer, law_table, load_run, mixed_corpus, sweep_table,
                    train_run)
 
 __all__ = ["TASK_DEPTHS", "Run", "demo_trainer", "law_table", "load_run", "mixed_corpus", "sweep_table",
-           "train_run"]
+           "train_run", "find_quickstart_checkpoint", "open_model", "tiny_model"]
