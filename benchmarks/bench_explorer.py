@@ -11,8 +11,9 @@ Measured, in Python (no browser; the widget comms have no kernel on the other en
   1  slider change -> figure data updated: `explorer.slider.value = r` returns after set_loop has
      re-sliced the cache into all four FigureWidgets inside batch_update(); checked against the cache.
      Target: median < 50 ms for the quickstart model on CPU (1+2x4+1, d=128, vocab 4096), 256 tokens, 32 loops.
-  2  the first trace of a 256-token prompt at 32 loops: `compute_view` (one model.trace + the
-     per-loop readouts, top-k, KL, PCA), cold and warm, and `set_text` (that plus redrawing every figure).
+  2  the first trace of a 256-token prompt at 32 loops: the probe `loop_view` (one model.trace + the
+     per-loop readouts, top-k, KL, PCA, into a Dataset), cold and warm, and `set_text` (that plus
+     redrawing every figure).
 For scale, the cost a slider move would have if it recomputed: one forward at r = 32 loops.
 """
 
@@ -34,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from workbench.config import LoopConfig  # noqa: E402
 from workbench.models import LoopLM  # noqa: E402
-from workbench.viz.explorer import LoopExplorer, compute_view, load_checkpoint  # noqa: E402
+from workbench.io import open_run  # noqa: E402
+from workbench.probes import loop_view  # noqa: E402
+from workbench.viz.explorer import LoopExplorer  # noqa: E402
 
 from bench_model import cpu_model, interleaved  # noqa: E402  (same folder: one timing loop for all benchmarks)
 
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     moves, traces = (64, 3) if args.quick else (320, 7)
 
     if args.checkpoint:
-        model, tok = load_checkpoint(args.checkpoint, device=device)
+        model, tok = open_run(args.checkpoint, device=device)
         source = args.checkpoint
     else:
         model, tok = quickstart_model().to(device), None
@@ -107,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2 first: the cold call is the one a person waits for after typing a prompt
     t0 = time.perf_counter()
-    compute_view(model, ids.numpy(), LOOPS)
+    loop_view(model, ids, LOOPS)
     cold = time.perf_counter() - t0
     ex = LoopExplorer(model, tok, text=text, max_loops=LOOPS, device=device)
-    assert ex.message == "" and len(ex.view.tokens) == seq, ex.message
+    assert ex.message == "" and ex.view.sizes["token"] == seq, ex.message
     x = ids[None].to(device)
     flip = iter(range(10 ** 6))
 
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return run
 
     # interleaved rounds (A B C D A B C D ...), so background load hits every contender alike
-    t = interleaved({"view": lambda: compute_view(model, ids.numpy(), LOOPS),
+    t = interleaved({"view": lambda: loop_view(model, ids, LOOPS),
                      "trace": no_grad(lambda: model.trace(x, loops=LOOPS)),
                      "set_text": new_prompt,
                      "forward": no_grad(lambda: model(x, loops=LOOPS))}, device, warmup=1, repeats=traces)
@@ -140,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         ex.slider.value = r
         slider.append(time.perf_counter() - t0)
-        assert ex.figures["curves"].data[2].y[0] == ex.view.loss[r - 1]
-        assert float(ex.figures["predictions"].data[0].x[0]) == float(ex.view.top_p[r - 1, ex.token, 0])
+        assert ex.figures["curves"].data[2].y[0] == float(ex.view.loss.values[r - 1])
+        assert float(ex.figures["predictions"].data[0].x[0]) == float(ex.view.top_p.values[r - 1, ex.token, 0])
     assert ex.traces == n_traces, "a slider move ran the model"
     token = []
     for i in rng.integers(0, seq, max(8, moves // 8)):
@@ -157,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     tm = [1e3 * s for s in token]
     print(f"   {'token selector change (' + str(len(token)) + ' moves)':46} {statistics.median(tm):7.1f}ms "
           f"{pct(tm, 95):7.1f}ms {max(tm):7.1f}ms")
-    print(f"2  {'first trace, cold (compute_view, 1 call)':46} {1e3 * cold:7.0f}ms")
-    print(f"   {'trace + reductions, warm (compute_view)':46} {1e3 * statistics.median(warm):7.0f}ms "
+    print(f"2  {'first trace, cold (loop_view, 1 call)':46} {1e3 * cold:7.0f}ms")
+    print(f"   {'trace + reductions, warm (loop_view)':46} {1e3 * statistics.median(warm):7.0f}ms "
           f"{1e3 * pct(warm, 95):7.0f}ms {1e3 * max(warm):7.0f}ms")
     print(f"   {'  of which model.trace alone':46} {1e3 * statistics.median(trace_only):7.0f}ms")
     print(f"   {'new prompt in the widget (set_text: + redraw)':46} {1e3 * statistics.median(settext):7.0f}ms "

@@ -1,4 +1,6 @@
-"""The loop explorer: cached numbers against slow per-loop forwards, widgets driven from Python, bad input."""
+"""The loop view probe against slow per-loop forwards, numpy's SVD and hand-computed KL; the explorer
+widget driven from Python (a slider move re-slices the Dataset and never runs the model); bad input;
+finding and training the explorer's model (workbench.experiments.explorer)."""
 
 import json
 
@@ -8,14 +10,9 @@ import torch
 
 from helpers import V, cfg, perturb, tokens
 from workbench import LoopLM
-from workbench.probes import geometry, lens
+from workbench.io import save_checkpoint, save_netcdf
+from workbench.probes import geometry, lens, loop_view
 from workbench.probes._common import angular_distance, relative_update
-from workbench.train import save_checkpoint
-
-pytest.importorskip("ipywidgets")
-pytest.importorskip("anywidget", reason="plotly's FigureWidget needs anywidget")
-from workbench.viz.explorer import (ByteTokenizer, LoopExplorer, compute_view, find_quickstart_checkpoint,  # noqa: E402
-                                    load_checkpoint, tiny_model, token_label)
 
 
 class CharTokenizer:
@@ -34,92 +31,187 @@ def model_(seed=0, **kw):
     return perturb(LoopLM(cfg(**kw), seed=seed), scale=0.05, seed=seed + 1).eval()
 
 
-def probs(model, ids, r, **kw):
-    """Softmax of a separate forward with r loops (the slow obvious way)."""
+def forward(model, ids, r, **kw):
+    """(probabilities, state) of a separate pass with r loops (r = 0: h0 read out): the slow obvious way."""
     with torch.no_grad():
         if r == 0:
-            return torch.softmax(model.readout(model.embed_prelude(ids)), -1)
-        return torch.softmax(model(ids, loops=r, **kw).logits, -1)
+            h0 = model.trace(ids, loops=1, **kw).states[0]
+            return torch.softmax(model.readout(h0), -1), h0
+        out = model(ids, loops=r, **kw)
+        return torch.softmax(out.logits, -1), out.state
 
 
+# ---- the probe ----------------------------------------------------------------------------------------
 def test_view_equals_separate_forwards_per_loop():
     model = model_()
     ids = tokens(seed=3, B=1, T=10)
     R = 6
-    v = compute_view(model, ids[0].numpy(), R, top_k=5)
+    ds = loop_view(model, ids[0], R, top_k=5)
+    assert dict(ds.sizes) == {"loop": R, "token": 10, "rank": 5, "state": R + 1, "component": 3}
+    assert list(ds.loop.values) == list(range(1, R + 1)) and list(ds.state.values) == list(range(R + 1))
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    np.testing.assert_array_equal(ds.token_id.values, ids[0].numpy())
+    np.testing.assert_array_equal(ds.target_id.values, targets[0].numpy())
     for r in range(1, R + 1):
+        p, state = forward(model, ids, r)
+        q, prev = forward(model, ids, r - 1)
+        p, q = p[0].double(), q[0].double()
         with torch.no_grad():
-            out = model(ids, loops=r, targets=targets)
-            prev = model(ids, loops=r - 1).state if r > 1 else model.embed_prelude(ids)
-        assert v.loss[r - 1] == pytest.approx(float(out.loss), rel=1e-5)
-        p, q = probs(model, ids, r)[0], probs(model, ids, r - 1)[0]
-        kl = (p * (p.log() - q.log())).sum(-1)
-        np.testing.assert_allclose(v.token_kl_prev[r - 1], kl.numpy(), rtol=1e-4, atol=1e-6)
-        assert v.kl_prev[r - 1] == pytest.approx(float(kl.mean()), rel=1e-4, abs=1e-7)
-        top = p.topk(5, dim=-1)
-        np.testing.assert_array_equal(v.top_ids[r - 1], top.indices.numpy())
-        np.testing.assert_allclose(v.top_p[r - 1], top.values.numpy(), rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(v.token_angle[r - 1], angular_distance(prev, out.state)[0].numpy(), atol=1e-5)
-        np.testing.assert_allclose(v.token_update[r - 1], relative_update(prev, out.state)[0].numpy(), rtol=1e-5)
+            loss = float(model(ids, loops=r, targets=targets).loss)
+        assert float(ds.loss.sel(loop=r)) == pytest.approx(loss, rel=1e-5)
         tgt = ids[0, 1:]
-        np.testing.assert_allclose(v.target_p[r - 1, :-1], p[:-1].gather(-1, tgt[:, None])[:, 0].numpy(), rtol=1e-5)
-        ranks = (p[:-1] > p[:-1].gather(-1, tgt[:, None])).sum(-1) + 1
-        np.testing.assert_array_equal(v.target_rank[r - 1, :-1], ranks.numpy())
-        assert np.isnan(v.token_loss[r - 1, -1]) and np.isnan(v.target_p[r - 1, -1])
-    # and the probes agree on the curves they share
+        np.testing.assert_allclose(ds.token_loss.sel(loop=r).values[:-1], -p[:-1].gather(-1, tgt[:, None])[:, 0].log(),
+                                   rtol=1e-4)
+        kl = (p * (p.log() - q.log())).sum(-1)  # KL(p_t || p_t-1) by hand
+        np.testing.assert_allclose(ds.token_kl_prev.sel(loop=r).values, kl.numpy(), rtol=1e-4, atol=1e-6)
+        assert float(ds.kl_prev.sel(loop=r)) == pytest.approx(float(kl.mean()), rel=1e-4, abs=1e-7)
+        top = p.topk(5, dim=-1)
+        np.testing.assert_array_equal(ds.top_id.sel(loop=r).values, top.indices.numpy())
+        np.testing.assert_allclose(ds.top_p.sel(loop=r).values, top.values.numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(ds.token_angular_distance.sel(loop=r).values,
+                                   angular_distance(prev, state)[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(ds.token_relative_update.sel(loop=r).values,
+                                   relative_update(prev, state)[0].numpy(), rtol=1e-5)
+        pt = p[:-1].gather(-1, tgt[:, None])
+        np.testing.assert_allclose(ds.target_p.sel(loop=r).values[:-1], pt[:, 0].numpy(), rtol=1e-5)
+        np.testing.assert_array_equal(ds.target_rank.sel(loop=r).values[:-1], ((p[:-1] > pt).sum(-1) + 1).numpy())
+        assert np.isnan(ds.token_loss.sel(loop=r).values[-1]) and np.isnan(ds.target_p.sel(loop=r).values[-1])
+        assert ds.target_rank.sel(loop=r).values[-1] == 0
+    # the means are the per-token values' means, and the probes agree on the curves they share
+    np.testing.assert_allclose(ds.loss, ds.token_loss.mean("token"), rtol=1e-5)
+    np.testing.assert_allclose(ds.angular_distance, ds.token_angular_distance.mean("token"), rtol=1e-5)
     g = geometry(model, ids, loops=R)
-    np.testing.assert_allclose(v.angle, g.angular_distance.values, rtol=1e-5)
-    np.testing.assert_allclose(v.update, g.relative_update.values, rtol=1e-5)
-    np.testing.assert_allclose(v.loss, lens(model, ids, targets, loops=R).loss.values, rtol=1e-5)
+    np.testing.assert_allclose(ds.angular_distance, g.angular_distance, rtol=1e-5)
+    np.testing.assert_allclose(ds.relative_update, g.relative_update, rtol=1e-5)
+    np.testing.assert_allclose(ds.loss, lens(model, ids, targets, loops=R).loss, rtol=1e-5)
+    assert ds.attrs["probe"] == "loop_view" and ds.attrs["training_loops"] == 3 and ds.attrs["tokens_counted"] == 9
+    assert "config_json" in ds.attrs and "git_commit" in ds.attrs
+
+
+def test_given_targets_score_those_tokens():
+    model = model_()
+    ids = tokens(seed=7, B=1, T=8)
+    targets = tokens(seed=8, B=1, T=8)
+    targets[0, [1, 5]] = -100
+    ds = loop_view(model, ids, 4, targets=targets, top_k=3)
+    np.testing.assert_array_equal(ds.target_id.values, targets[0].numpy())
+    for r in (1, 4):
+        with torch.no_grad():
+            ref = float(model(ids, loops=r, targets=targets).loss)
+        assert float(ds.loss.sel(loop=r)) == pytest.approx(ref, rel=1e-5)
+    assert np.isnan(ds.token_loss.values[:, [1, 5]]).all() and np.isfinite(ds.token_loss.values[:, [0, 7]]).all()
+    assert ds.attrs["tokens_counted"] == 6
+    # a list, an array and a [1, T] tensor are the same prompt
+    a = loop_view(model, ids[0].tolist(), 3)
+    b = loop_view(model, ids.numpy()[0], 3)
+    np.testing.assert_array_equal(a.top_p.values, b.top_p.values)
 
 
 def test_readout_chunks_do_not_change_the_numbers(monkeypatch):
-    import workbench.viz.explorer as E
+    import workbench.probes.view as view
 
-    model, ids = model_(), tokens(seed=4, B=1, T=9)[0].numpy()
-    whole = compute_view(model, ids, 7)
+    model, ids = model_(), tokens(seed=4, B=1, T=9)
+    whole = loop_view(model, ids, 7)
     for per_chunk in (1, 2, 3):  # loops per readout chunk
-        monkeypatch.setattr(E, "_LOGIT_BUDGET", 9 * V * per_chunk)
-        chunked = compute_view(model, ids, 7)
+        monkeypatch.setattr(view, "_LOGIT_BUDGET", 9 * V * per_chunk)
+        chunked = loop_view(model, ids, 7)
         for name in ("loss", "kl_prev", "token_kl_prev", "top_p", "target_p", "target_rank"):
-            np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-6, atol=1e-8)
-        np.testing.assert_array_equal(chunked.top_ids, whole.top_ids)
+            np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-6, atol=1e-8)
+        np.testing.assert_array_equal(chunked.top_id, whole.top_id)
 
 
 def test_pca_is_fitted_on_all_loops_and_tokens():
     model, ids = model_(), tokens(seed=5, B=1, T=8)
     R = 5
-    v = compute_view(model, ids[0].numpy(), R, dims=3)
+    ds = loop_view(model, ids, R, dims=3)
     with torch.no_grad():
         X = model.trace(ids, loops=R).states[:, 0].reshape(-1, cfg().d_model).double().numpy()
     Xc = X - X.mean(0)
     _, S, Vt = np.linalg.svd(Xc, full_matrices=False)
     ref = Xc @ Vt[:3].T
-    got = v.proj.reshape(-1, 3)
+    got = ds.pca.values.reshape(-1, 3)
     # components are defined up to sign
     for k in range(3):
         sign = np.sign(ref[:, k] @ got[:, k])
         np.testing.assert_allclose(got[:, k], sign * ref[:, k], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(v.explained, (S[:3] ** 2) / (S ** 2).sum(), rtol=1e-6)
-    assert v.proj.shape == (R + 1, 8, 3)
-    assert compute_view(model, ids[0].numpy(), R, dims=2).proj.shape == (R + 1, 8, 2)
+    np.testing.assert_allclose(ds.explained_variance, (S[:3] ** 2) / (S ** 2).sum(), rtol=1e-6)
+    assert ds.pca.dims == ("state", "token", "component") and ds.pca.shape == (R + 1, 8, 3)
+    assert loop_view(model, ids, R, dims=2).pca.shape == (R + 1, 8, 2)
+    # one token and one loop: two points, so one component carries everything and the second is flat
+    tiny = loop_view(model, ids[:, :1], 1, dims=3)
+    np.testing.assert_allclose(tiny.explained_variance, [1, 0, 0], atol=1e-9)
+    assert np.isnan(tiny.loss.values).all()
 
 
 def test_horizon_dependent_model_shows_loops_of_one_run():
     model = model_(timestep="loop_gate")
     ids = tokens(seed=6, B=1, T=8)
-    R = 5
-    ex = LoopExplorer(model, CharTokenizer(), text="loop gates", max_loops=R, device="cpu")
-    t = torch.as_tensor(ex.view.tokens)[None]
-    tg = torch.cat([t[:, 1:], torch.full((1, 1), -100)], 1)
+    tg = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    ds = loop_view(model, ids, 5)
     with torch.no_grad():
         for r in (1, 3, 5):
-            ref = float(model(t, loops=r, targets=tg, horizon=R).loss)
-            assert ex.view.loss[r - 1] == pytest.approx(ref, rel=1e-5)
-        assert ex.view.loss[1] != pytest.approx(float(model(t, loops=2, targets=tg).loss), rel=1e-6)
+            assert float(ds.loss.sel(loop=r)) == pytest.approx(float(model(ids, loops=r, targets=tg, horizon=5).loss),
+                                                               rel=1e-5)
+        assert float(ds.loss.sel(loop=2)) != pytest.approx(float(model(ids, loops=2, targets=tg).loss), rel=1e-6)
+        wide = loop_view(model, ids, 3, horizon=7)
+        assert float(wide.loss.sel(loop=3)) == pytest.approx(float(model(ids, loops=3, targets=tg, horizon=7).loss),
+                                                             rel=1e-5)
+    assert ds.attrs["horizon"] == 5 and wide.attrs["horizon"] == 7
+
+
+def test_bad_probe_input_is_named():
+    model, ids = model_(), tokens(seed=1, B=2, T=6)
+    with pytest.raises(ValueError, match="one prompt"):
+        loop_view(model, ids, 3)
+    with pytest.raises(ValueError, match="integer token ids"):
+        loop_view(model, [0.5, 1.5], 3)
+    with pytest.raises(ValueError, match="vocab_size"):
+        loop_view(model, [1, V], 3)
+    with pytest.raises(ValueError, match="loops=0"):
+        loop_view(model, ids[0], 0)
+    with pytest.raises(ValueError, match="dims=4"):
+        loop_view(model, ids[0], 2, dims=4)
+    with pytest.raises(ValueError, match="targets must have the shape"):
+        loop_view(model, ids[0], 2, targets=ids[0, :3])
+    with pytest.raises(ValueError, match="horizon=2"):
+        loop_view(model_(timestep="loop_gate"), ids[0], 3, horizon=2)
+    with pytest.raises(TypeError, match="LoopLM"):
+        loop_view(object(), ids[0], 2)
+    assert loop_view(model, ids[0], 2, top_k=10 * V).sizes["rank"] == V  # top-k clipped to the vocabulary
+
+
+def test_view_is_saved_as_netcdf(tmp_path):
+    import xarray as xr
+
+    ds = loop_view(model_(), tokens(seed=2, B=1, T=7)[0], 4)
+    back = xr.load_dataset(save_netcdf(ds, tmp_path / "view.nc"), engine="h5netcdf")
+    xr.testing.assert_identical(back, ds)
+
+
+# ---- the widget ---------------------------------------------------------------------------------------
+def LoopExplorer(*args, **kw):
+    """The explorer widget (the widget tests skip, the probe tests still run, without ipywidgets)."""
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("anywidget", reason="plotly's FigureWidget needs anywidget")
+    from workbench.viz.explorer import LoopExplorer
+
+    return LoopExplorer(*args, **kw)
+
+
+def token_label(tokenizer, token_id):
+    from workbench.viz.explorer import token_label
+
+    return token_label(tokenizer, token_id)
+
+
+def test_explorer_shows_the_probe_and_names_a_horizon_dependent_model():
+    model = model_(timestep="loop_gate")
+    R = 5
+    ex = LoopExplorer(model, CharTokenizer(), text="loop gates", max_loops=R, device="cpu")
+    ref = loop_view(model, CharTokenizer().encode("loop gates"), R)
+    for name in ("loss", "kl_prev", "top_p", "pca", "target_rank"):
+        np.testing.assert_allclose(ex.view[name], ref[name], rtol=1e-6, equal_nan=True)
     assert "timestep" in ex.message and f"{R}-loop run" in ex.message
-    del ids
 
 
 def figure_state(ex):
@@ -128,32 +220,33 @@ def figure_state(ex):
             f["heatmap"].layout.shapes[0].x0)
 
 
-def test_slider_reslices_the_cache_into_every_figure():
+def test_slider_reslices_the_dataset_into_every_figure():
     model = model_()
     ex = LoopExplorer(model, CharTokenizer(), text="the loop explorer", max_loops=9, device="cpu")
     v, i = ex.view, ex.token
     assert ex.traces == 1 and set(ex.figures) == {"predictions", "curves", "trajectory", "heatmap"}
-    assert i == len(v.tokens) - 1 and ex.slider.max == 9
+    assert i == v.sizes["token"] - 1 and ex.slider.max == 9
     # the loop-independent data: full curves and the heatmap
     np.testing.assert_allclose(ex.figures["curves"].data[0].y, v.loss)
     np.testing.assert_allclose(ex.figures["curves"].data[3 * 3].y, v.kl_prev)
-    np.testing.assert_allclose(ex.figures["heatmap"].data[0].z, np.log10(v.token_update.T), rtol=1e-6)
+    np.testing.assert_allclose(ex.figures["heatmap"].data[0].z, np.log10(v.token_relative_update.values.T), rtol=1e-6)
     assert [s.x0 for s in ex.figures["curves"].layout.shapes[:4]] == [model.cfg.loops] * 4
     before = figure_state(ex)
     for r in (4, 9, 2):
         ex.slider.value = r  # what a person dragging the slider does
         assert ex.loop == r
-        f = ex.figures
-        np.testing.assert_allclose(f["predictions"].data[0].x, v.top_p[r - 1, i])
+        f, at = ex.figures, v.sel(loop=r, token=i)
+        np.testing.assert_allclose(f["predictions"].data[0].x, at.top_p)
         labels = [y.split(". ", 1)[1] for y in f["predictions"].data[0].y]
-        assert labels == [token_label(ex.tokenizer, int(t)) for t in v.top_ids[r - 1, i]]
-        for m, name in enumerate(("loss", "angle", "update", "kl_prev")):
+        assert labels == [token_label(ex.tokenizer, int(t)) for t in at.top_id]
+        for m, name in enumerate(("loss", "angular_distance", "relative_update", "kl_prev")):
             assert f["curves"].data[3 * m + 2].x == (r,)
-            assert f["curves"].data[3 * m + 2].y == pytest.approx((getattr(v, name)[r - 1],))
+            assert f["curves"].data[3 * m + 2].y == pytest.approx((float(v[name].sel(loop=r)),))
             assert f["curves"].layout.shapes[4 + m].x0 == r
-        np.testing.assert_allclose(f["trajectory"].data[0].x, v.proj[r, :, 0])
-        np.testing.assert_allclose(f["trajectory"].data[0].z, v.proj[r, :, 2])
-        np.testing.assert_allclose([f["trajectory"].data[3][a][0] for a in "xyz"], v.proj[r, i])
+        state = v.pca.sel(state=r)
+        np.testing.assert_allclose(f["trajectory"].data[0].x, state.sel(component=1))
+        np.testing.assert_allclose(f["trajectory"].data[0].z, state.sel(component=3))
+        np.testing.assert_allclose([f["trajectory"].data[3][a][0] for a in "xyz"], state.sel(token=i))
         assert f["heatmap"].layout.shapes[0].x0 == r
         assert f"loop <b>{r}</b>" in ex.position.value
         assert figure_state(ex) != before
@@ -166,23 +259,36 @@ def test_slider_reslices_the_cache_into_every_figure():
         ex.set_loop(10)
 
 
+def test_slider_moves_never_trace(monkeypatch):
+    model = model_()
+    ex = LoopExplorer(model, CharTokenizer(), text="count the passes", max_loops=6, device="cpu")
+    calls = []
+    monkeypatch.setattr(model, "trace", lambda *a, **k: calls.append(a) or pytest.fail("a slider move traced"))
+    for r in (6, 1, 3, 5):
+        ex.slider.value = r
+    ex.token_select.value = 2
+    assert calls == [] and ex.traces == 1
+
+
 def test_token_selector_and_prompt():
     model = model_()
     ex = LoopExplorer(model, CharTokenizer(), text="abcdef", max_loops=5, device="cpu")
     ex.set_loop(3)
     ex.token_select.value = 2
     v = ex.view
-    np.testing.assert_allclose(ex.figures["predictions"].data[0].x, v.top_p[2, 2])
-    np.testing.assert_allclose(ex.figures["curves"].data[1].y, v.token_loss[:, 2], equal_nan=True)
-    np.testing.assert_allclose(ex.figures["trajectory"].data[1].x, v.proj[:, 2, 0])
+    np.testing.assert_allclose(ex.figures["predictions"].data[0].x, v.top_p.sel(loop=3, token=2))
+    np.testing.assert_allclose(ex.figures["curves"].data[1].y, v.token_loss.sel(token=2), equal_nan=True)
+    np.testing.assert_allclose(ex.figures["trajectory"].data[1].x, v.pca.sel(token=2, component=1))
     assert ex.figures["heatmap"].layout.shapes[1].y0 == 2
     # the true next token is named and coloured
     assert "true next" in ex.figures["predictions"].layout.title.text
+    ex.token_select.value = 5
+    assert "end of prompt" in ex.figures["predictions"].layout.title.text
     assert ex.traces == 1
     ex.prompt.value = "zyxwvu tsr"
     assert ex.traces == 2 and ex.text == "zyxwvu tsr" and ex.loop == 3
-    assert list(ex.view.tokens) == CharTokenizer().encode("zyxwvu tsr")
-    assert len(ex.token_select.options) == 10 and ex.token == 9
+    assert list(ex.view.token_id.values) == CharTokenizer().encode("zyxwvu tsr")
+    assert len(ex.token_select.options) == 10 and ex.token == 9 and len(ex.labels) == 10
 
 
 def test_bad_input_shows_a_message_not_a_traceback(tmp_path):
@@ -194,11 +300,11 @@ def test_bad_input_shows_a_message_not_a_traceback(tmp_path):
     assert "wb-error" in ex.status.value
     long = "x" * (cfg().max_seq_len + 17)
     ex.prompt.value = long
-    assert f"context is {cfg().max_seq_len}" in ex.message and len(ex.view.tokens) == cfg().max_seq_len
+    assert f"context is {cfg().max_seq_len}" in ex.message and ex.view.sizes["token"] == cfg().max_seq_len
     # a path that is not there
     ex.path.value = str(tmp_path / "nope")
     ex.load_button.click()
-    assert "no checkpoint" in ex.message and ex.model is model
+    assert "does not exist" in ex.message and "nope" in ex.message and ex.model is model
     # a checkpoint whose weights are of another config than its state.json says
     ck = save_checkpoint(tmp_path / "run", model_(), [], {"step": 1, "model_config": cfg().to_json()})
     state = json.loads((ck / "state.json").read_text())
@@ -219,51 +325,63 @@ def test_bad_input_shows_a_message_not_a_traceback(tmp_path):
     ex3 = LoopExplorer(model, CharTokenizer(), text="", max_loops=4, device="cpu")
     assert "empty" in ex3.message and ex3.view is None and ex3.model is model
     ex3.prompt.value = "now"
-    assert ex3.message == "" and len(ex3.view.tokens) == 3 and ex3.traces == 1
-    # a bad checkpoint at construction: the widget shows the message, the figures stay empty
+    assert ex3.message == "" and ex3.view.sizes["token"] == 3 and ex3.traces == 1
+    # a bad path at construction: the widget shows the message, the figures stay empty
     ex2 = LoopExplorer(str(tmp_path / "missing"), device="cpu")
-    assert "no checkpoint" in ex2.message and ex2.view is None
+    assert "does not exist" in ex2.message and ex2.view is None
     assert ex2.figures["predictions"].data[0].x == ()
 
 
-def test_checkpoints_from_quickstart_runs(tmp_path):
+# ---- finding the model to show (workbench.experiments) ------------------------------------------------------
+def test_quickstart_runs_open_in_the_explorer(tmp_path):
     from workbench.data.corpus import train_tokenizer
+    from workbench.experiments import find_quickstart_checkpoint, open_model
 
     runs = tmp_path / "runs"
     assert find_quickstart_checkpoint(runs) is None
     tok = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], vocab_size=300)
     models = {}
-    for n, (key, status) in enumerate([("old", "done"), ("new", "done"), ("running", "running")]):
+    for n, (key, status) in enumerate([("old", "done"), ("new", "done"), ("running", "running"), ("empty", "done")]):
         run = runs / "quickstart" / "train" / key
-        model = model_(seed=n, vocab_size=tok.vocab_size)
-        save_checkpoint(run / "model", model, [], {"step": 1, "model_config": model.cfg.to_json()})
-        tok.save(run / "model" / "tokenizer.json")
+        run.mkdir(parents=True)
+        if key != "empty":  # a finished run without a checkpoint is skipped
+            model = model_(seed=n, vocab_size=tok.vocab_size)
+            where = run / "model" if key == "old" else run  # train_run's older layout, and the one run folder
+            save_checkpoint(where, model, [], {"step": 1, "model_config": model.cfg.to_json()})
+            tok.save(where / "tokenizer.json")
+            models[key] = model
         (run / "run.json").write_text(json.dumps({"status": status, "finished": f"2026-11-0{n + 1}T00:00:00"}))
-        models[key] = model
     (runs / "quickstart" / "train" / "broken").mkdir()
     (runs / "quickstart" / "train" / "broken" / "run.json").write_text("{not json")
     found = find_quickstart_checkpoint(runs)
-    assert found == runs / "quickstart" / "train" / "new" / "model"
-    model, t2 = load_checkpoint(found, device="cpu")
-    assert t2.fingerprint == tok.fingerprint
+    assert found == runs / "quickstart" / "train" / "new"
+    model, t2, source = open_model(runs_dir=runs, device="cpu")
+    assert t2.fingerprint == tok.fingerprint and str(found) in source
     ids = torch.tensor([tok.encode("def f(x):")])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, models["new"](ids).logits)
-    ex = LoopExplorer(str(found.parent), text="def g(y):", max_loops=3, device="cpu")  # a run folder works too
-    assert ex.message == "" and list(ex.view.tokens) == tok.encode("def g(y):")
-    assert "".join(ex.view.labels).replace("␣", " ") == "def g(y):"
+    ex = LoopExplorer(str(runs / "quickstart" / "train" / "old"), text="def g(y):", max_loops=3, device="cpu")
+    assert ex.message == "" and list(ex.view.token_id.values) == tok.encode("def g(y):")
+    assert "".join(ex.labels).replace("␣", " ") == "def g(y):"
     assert "trained at K=" in ex.source.value
+    with torch.no_grad():
+        torch.testing.assert_close(ex.model(ids).logits, models["old"](ids).logits)
     # a 256-id checkpoint without tokenizer.json is read as bytes
     m = model_(vocab_size=256)
-    ck = save_checkpoint(tmp_path / "bytes", m, [], {"step": 1, "model_config": m.cfg.to_json()})
-    _, bt = load_checkpoint(ck, device="cpu")
-    assert isinstance(bt, ByteTokenizer)
+    save_checkpoint(tmp_path / "bytes", m, [], {"step": 1, "model_config": m.cfg.to_json()})
+    ex.path.value = str(tmp_path / "bytes")
+    ex.load_button.click()
+    from workbench.data.corpus import ByteTokenizer
+
+    assert ex.message == "" and isinstance(ex.tokenizer, ByteTokenizer) and ex.model.cfg.vocab_size == 256
 
 
 def test_tiny_model_trains_and_explores():
+    from workbench.experiments import tiny_model
+
     model, tok = tiny_model(steps=1, seed=0, progress=False)
     assert model.cfg.vocab_size == 256 and tok.decode(tok.encode("é ok")) == "é ok"
     ex = LoopExplorer(model, tok, text="import os\n", max_loops=6)
-    assert ex.view.max_loops == 6 and ex.view.labels[-1] == "\\n"
+    assert ex.view.sizes["loop"] == 6 and ex.labels[-1] == "\\n"
     ex.set_loop(6)
     assert "extrapolating 2 loops past K" in ex.position.value

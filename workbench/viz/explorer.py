@@ -6,42 +6,42 @@ training horizon K named beside it), a prompt box and a token selector over four
 distance, relative update, KL to the previous loop) with a cursor, the hidden-state trajectory across
 loops in a PCA fitted on all loops, and a token-by-loop heatmap of update norms.
 
-Why it is fast: one `model.trace(tokens, loops=max_loops)` per prompt or model is reduced to small
-numpy arrays (`LoopView`, from `compute_view`); a slider move only re-slices them into the figures
-inside `batch_update()` and never runs the model. Scripts and tests drive it with `set_loop`,
-`set_token`, `set_text` and `set_model` and read `figures` (the FigureWidgets by name).
+Why it is fast: the numbers come from the probe `workbench.probes.loop_view` (ONE `model.trace` per
+prompt or model, reduced to a small Dataset); a slider move only re-slices that Dataset into the
+figures inside `batch_update()` and never runs the model. Scripts and tests drive it with
+`set_loop`, `set_token`, `set_text` and `set_model` and read `view` (the Dataset) and `figures`
+(the FigureWidgets by name).
 
-Bad input (an empty prompt, a checkpoint that cannot be read or does not fit its config or the
-tokenizer) is shown as a message in the widget, never as a traceback; a prompt longer than the
-model's context is cut to its last `max_seq_len` tokens, with a note saying so.
+The explorer draws; it does not find or train models (`workbench.experiments.open_model` does). A
+run or checkpoint folder typed in its model box is opened with `workbench.io.open_run`. Bad input
+(an empty prompt, a folder that cannot be read or does not fit its config or the tokenizer) is shown
+as a message in the widget, never as a traceback; a prompt longer than the model's context is cut
+to its last `max_seq_len` tokens, with a note saying so.
 """
 
 from __future__ import annotations
 
 import html
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..data.corpus import ByteTokenizer
+from ..io import open_run
 from ..models.looped import LoopLM
-from ..probes._common import angular_distance, check_int, kl, masked_mean, relative_update, token_stats
+from ..probes._common import check_int
+from ..probes.view import loop_view
 
 DEFAULT_TEXT = ('def greet(name):\n    """Return a greeting for name."""\n'
                 '    return "Hello, " + name + "!"\n')
-METRICS = (  # (key in LoopView, subplot title); the curves figure keeps this order
+METRICS = (  # (variable of the loop_view Dataset, subplot title); the curves figure keeps this order
     ("loss", "logit-lens loss (nats)"),
-    ("angle", "angular distance a(x(t-1), x(t)) (π rad)"),
-    ("update", "relative update |x(t)-x(t-1)|/|x(t-1)|"),
+    ("angular_distance", "angular distance a(x(t-1), x(t)) (π rad)"),
+    ("relative_update", "relative update |x(t)-x(t-1)|/|x(t-1)|"),
     ("kl_prev", "KL(p_t ‖ p_t-1) (nats)"),
 )
 FIGURES = ("predictions", "curves", "trajectory", "heatmap")
-# floats of logits reduced at once (1 MB in fp32): cache-sized chunks (here one loop of 256 tokens x 4096
-# ids) made compute_view twice as fast as 128 MB ones on CPU, and keep memory flat at any vocabulary
-_LOGIT_BUDGET = 2 ** 18
 
 
 class ExplorerInputError(ValueError):
@@ -56,91 +56,15 @@ def token_label(tokenizer, token_id: int) -> str:
     return repr(text)[1:-1].replace(" ", "␣") or "∅"
 
 
-# ---- models and checkpoints --------------------------------------------------------------------------
 def default_device() -> torch.device:
     """Return CUDA when present, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def tiny_model(steps: int = 120, seed: int = 0, progress: bool = True) -> tuple[LoopLM, ByteTokenizer]:
-    """Return (model, ByteTokenizer) after training the `workbench demo` model (byte-level 1+2x4+1, d=128).
-
-    About 0.4 s a step on two CPU cores, so the default 120 steps take under a minute; it already
-    predicts common bytes of Python source and shows the loop-count behaviour the explorer is for.
-    """
-    from ..experiments import demo_trainer
-
-    trainer = demo_trainer(check_int(steps, "steps"), seed, progress)  # the same model cli.demo trains
-    return trainer.model, ByteTokenizer()
-
-
-def find_quickstart_checkpoint(runs_dir: str | os.PathLike = "runs") -> Path | None:
-    """Return the model folder of the newest finished quickstart train run under runs_dir, or None.
-
-    The quickstart pipeline writes `<runs_dir>/quickstart/train/<key>/run.json` ({"status": "done"})
-    with the trained checkpoint in `<key>/model/`; "newest" is by the record's finish time.
-    """
-    from ..pipeline import find_runs
-
-    found = [d / "model" for d in find_runs("quickstart", "train", runs_dir) if (d / "model").is_dir()]
-    return found[-1] if found else None
-
-
-def _find_tokenizer(path: Path):
-    from ..data.corpus import Tokenizer
-
-    # a checkpoint folder holds tokenizer.json itself (quickstart) or sits in a run folder that does
-    # (`workbench train` writes checkpoints in subfolders of --out)
-    for candidate in (path / "tokenizer.json", path.parent / "tokenizer.json"):
-        if candidate.is_file():
-            try:
-                return Tokenizer.load(candidate)
-            except Exception as e:  # the tokenizers library raises its own exception types besides ValueError
-                raise ExplorerInputError(f"cannot read the tokenizer at {candidate}: {e}") from None
-    return None
-
-
-def load_checkpoint(path: str | os.PathLike, tokenizer=None, device=None) -> tuple[LoopLM, object]:
-    """Return (model, tokenizer) from a checkpoint folder, run folder or quickstart run folder.
-
-    The tokenizer is the one given, else `tokenizer.json` in or next to the checkpoint, else (for a
-    256-id model) bytes. Raises ExplorerInputError with a readable reason for anything that does not
-    load or does not fit.
-    """
-    from ..train import load_model
-
-    p = Path(path).expanduser()
-    if not str(path).strip() or not p.exists():
-        raise ExplorerInputError(f"no checkpoint at {str(path)!r}: the path does not exist")
-    if (p / "model").is_dir() and not (p / "state.json").exists() and not (p / "latest.json").exists():
-        p = p / "model"  # a quickstart run folder: the checkpoint is its model/ subfolder
-    try:
-        model = load_model(p, device=device or default_device())
-    except FileNotFoundError:
-        raise ExplorerInputError(f"no checkpoint at {p}: expected state.json and model.safetensors "
-                                 "(or latest.json pointing at them)") from None
-    except RuntimeError as e:  # load_state_dict: the weights are those of another config
-        first = str(e).strip().splitlines()
-        detail = " ".join(line.strip() for line in first[:3])
-        raise ExplorerInputError(f"the checkpoint at {p} holds weights of another config than its "
-                                 f"state.json describes: {detail[:400]}") from None
-    except (ValueError, TypeError, KeyError) as e:  # LoopConfig.from_json: fields of another version
-        raise ExplorerInputError(f"the checkpoint at {p} has a config this workbench cannot build: {e}") from None
-    if tokenizer is None:
-        tokenizer = _find_tokenizer(p)
-    if tokenizer is None:
-        if model.cfg.vocab_size != 256:
-            raise ExplorerInputError(f"no tokenizer.json in or next to {p} and the model's vocab_size="
-                                     f"{model.cfg.vocab_size} is not byte-level (256): pass tokenizer=")
-        tokenizer = ByteTokenizer()
-    check_fit(model, tokenizer)
-    return model, tokenizer
-
-
 def check_fit(model: LoopLM, tokenizer) -> None:
     """Raise ExplorerInputError unless the tokenizer's ids all lie in the model's vocabulary."""
     if not isinstance(model, LoopLM):
-        raise ExplorerInputError(f"model must be a LoopLM or a checkpoint path, got {type(model).__name__}")
+        raise ExplorerInputError(f"model must be a LoopLM or a run folder path, got {type(model).__name__}")
     if tokenizer is None or not hasattr(tokenizer, "encode") or not hasattr(tokenizer, "decode"):
         raise ExplorerInputError("a tokenizer with encode() and decode() is needed for a LoopLM given directly")
     n = getattr(tokenizer, "vocab_size", None)
@@ -149,160 +73,14 @@ def check_fit(model: LoopLM, tokenizer) -> None:
                                  f"they belong to different configs ({model.cfg.notation})")
 
 
-def open_model(checkpoint: str = "", runs_dir: str | os.PathLike = "runs", train_steps: int = 120,
-               seed: int = 0, progress: bool = True) -> tuple[LoopLM, object, str]:
-    """Return (model, tokenizer, where it came from): the checkpoint given, else the newest quickstart
-    run under runs_dir (or ../runs_dir), else a tiny byte-level model trained for train_steps."""
-    if checkpoint:
-        model, tok = load_checkpoint(checkpoint)
-        return model, tok, f"checkpoint {checkpoint}"
-    runs = Path(runs_dir)
-    # a notebook opened from notebooks/ runs there, while pipelines write runs/ at the repository root
-    for where in [runs] if runs.is_absolute() else [runs, Path("..") / runs]:
-        found = find_quickstart_checkpoint(where)
-        if found is not None:
-            model, tok = load_checkpoint(found)
-            return model, tok, f"quickstart checkpoint {found}"
-    model, tok = tiny_model(train_steps, seed, progress=progress)
-    return model, tok, f"tiny byte-level model trained here for {train_steps} steps (no quickstart run in {runs_dir})"
-
-
-# ---- the cached numbers ------------------------------------------------------------------------------
-@dataclass
-class LoopView:
-    """Everything a slider move needs, as numpy arrays over loops 1..R (index r-1) and positions 0..T-1."""
-
-    tokens: np.ndarray  # [T] token ids
-    labels: list[str]  # [T] visible token labels
-    training_loops: int  # K
-    horizon: int  # T of timestep conditioning the trace ran with (= R)
-    loss: np.ndarray  # [R] mean logit-lens next-token loss over positions with a next token (nats)
-    angle: np.ndarray  # [R] mean angular distance a(x(t-1), x(t)) (units of pi)
-    update: np.ndarray  # [R] mean relative update |x(t) - x(t-1)| / |x(t-1)|
-    kl_prev: np.ndarray  # [R] mean KL(p_t || p_{t-1}); loop 1 compares with loop 0 (h0 read out)
-    token_loss: np.ndarray  # [R, T] per position (NaN at the last position: it has no next token)
-    token_angle: np.ndarray  # [R, T]
-    token_update: np.ndarray  # [R, T]
-    token_kl_prev: np.ndarray  # [R, T]
-    top_ids: np.ndarray  # [R, T, k] top-k next-token ids, most probable first
-    top_p: np.ndarray  # [R, T, k] their probabilities
-    target_p: np.ndarray  # [R, T] probability of the true next token (NaN at the last position)
-    target_rank: np.ndarray  # [R, T] its rank (1 = top), 0 at the last position
-    proj: np.ndarray  # [R+1, T, dims] states 0..R projected on the top principal components
-    explained: np.ndarray  # [dims] share of variance each component explains
-
-    @property
-    def max_loops(self) -> int:
-        """Return R, the number of loops the view holds."""
-        return int(self.loss.shape[0])
-
-    def curve(self, name: str) -> np.ndarray:
-        """Return the mean curve [R] of a metric in METRICS."""
-        return getattr(self, name)
-
-    def token_curve(self, name: str) -> np.ndarray:
-        """Return the per-position curves [R, T] of a metric in METRICS."""
-        return getattr(self, "token_" + name)
-
-    def to_frame(self):
-        """Return a pandas DataFrame of the mean curves (columns: METRICS) indexed by loop 1..R."""
-        import pandas as pd
-
-        return pd.DataFrame({name: self.curve(name) for name, _ in METRICS},
-                            index=pd.Index(np.arange(1, self.max_loops + 1), name="loop"))
-
-
-def _pca(states: torch.Tensor, dims: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return (projection [R+1, T, dims], explained variance shares [dims]) of states [R+1, T, d]."""
-    X = states.reshape(-1, states.shape[-1]).double()
-    Xc = X - X.mean(0)
-    # eigenvectors of the d x d scatter matrix: the same axes as an SVD of the (R+1)T x d data, ~10x faster;
-    # on one thread, because a matrix this small gains nothing from more and LAPACK's threads spin for
-    # up to a second on a loaded machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def open_path(path, tokenizer=None, device=None) -> tuple[LoopLM, object]:
+    """Return (model, tokenizer) of a run or checkpoint folder (`io.open_run`), its errors as ExplorerInputError."""
     try:
-        var, vecs = torch.linalg.eigh((Xc.T @ Xc).cpu())
-    finally:
-        torch.set_num_threads(threads)
-    var, vecs = var.to(Xc.device), vecs.to(Xc.device)
-    var, vecs = var.flip(0).clamp_min(0), vecs.flip(1)  # eigh sorts ascending
-    k = min(dims, Xc.shape[0], Xc.shape[1])
-    V = vecs[:, :k].T
-    # a component's sign is arbitrary; fix it so the same states always draw the same picture
-    signs = torch.sign(V.gather(1, V.abs().argmax(1, keepdim=True)))
-    V = V * torch.where(signs == 0, 1.0, signs)
-    P = Xc @ V.T
-    share = (var[:k] / var.sum().clamp_min(1e-300)).cpu().numpy()
-    if k < dims:  # fewer points or features than dims: the missing axes are flat
-        P = torch.cat([P, P.new_zeros(P.shape[0], dims - k)], 1)
-        share = np.concatenate([share, np.zeros(dims - k)])
-    return P.reshape(*states.shape[:2], dims).float().cpu().numpy(), share
-
-
-def compute_view(model: LoopLM, tokens, max_loops: int, top_k: int = 10, dims: int = 3,
-                 labels: list[str] | None = None) -> LoopView:
-    """Return the LoopView of one prompt from ONE `model.trace(tokens, loops=max_loops)`.
-
-    Readouts run in chunks of loops, so the logits of all loops never sit in memory at once.
-    A horizon-dependent model (timestep conditioning) is traced with T = max_loops: every loop shown
-    is a loop of one max_loops-loop run.
-    """
-    R = check_int(max_loops, "max_loops")
-    dims = check_int(dims, "dims", minimum=2, maximum=3)
-    dev = model.embed.weight.device
-    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=dev).reshape(1, -1)
-    T = ids.shape[1]
-    V = model.cfg.vocab_size
-    k = min(check_int(top_k, "top_k"), V)
-    targets = torch.full_like(ids, -100)
-    targets[:, :-1] = ids[:, 1:]
-    mask = targets != -100
-    with torch.inference_mode():
-        trace = model.trace(ids, loops=R, horizon=R)
-        states = trace.states[:, 0]  # [R+1, T, d]: the prompt is one row
-        tok_angle = angular_distance(states[:-1], states[1:])  # [R, T]
-        tok_update = relative_update(states[:-1], states[1:])
-        chunk = max(1, _LOGIT_BUDGET // max(1, T * V))
-        lp_prev = None
-        rows = {n: [] for n in ("loss", "kl", "top_p", "top_i", "tp", "rank")}
-        for lo in range(0, R + 1, chunk):
-            hi = min(R + 1, lo + chunk)
-            # loops ride in the batch dim: the coda attends within a row, so rows stay independent
-            lp, _, _ = token_stats(model.readout(states[lo:hi]))  # without targets: no argmax we'd not use
-            tgt = targets.clamp_min(0).expand(hi - lo, T).unsqueeze(-1)
-            lt_all = lp.gather(-1, tgt)  # log p of the true next token, [n, T, 1]
-            loss = -lt_all.squeeze(-1)
-            prev = lp[:-1] if lp_prev is None else torch.cat([lp_prev, lp[:-1]])
-            cur = lp if lp_prev is not None else lp[1:]  # state 0 has no previous loop
-            rows["kl"].append(kl(cur, prev))
-            first = 1 if lo == 0 else 0  # loop 0 (h0) only serves as loop 1's previous
-            rows["loss"].append(loss[first:])
-            p, i = lp[first:].topk(k, dim=-1)
-            rows["top_p"].append(p.exp())
-            rows["top_i"].append(i)
-            lt = lt_all[first:]
-            rows["tp"].append(lt.squeeze(-1).exp())
-            rows["rank"].append((lp[first:] > lt).sum(-1) + 1)
-            lp_prev = lp[-1:]
-        cat = {n: torch.cat(v) for n, v in rows.items()}
-        m = mask.expand(R, T)
-        tok_loss = cat["loss"].masked_fill(~m, float("nan"))
-        view = LoopView(
-            tokens=ids[0].cpu().numpy(),
-            labels=list(labels) if labels is not None else [str(int(t)) for t in ids[0].tolist()],
-            training_loops=model.cfg.loops, horizon=R,
-            loss=np.array([masked_mean(cat["loss"][t], mask[0]) for t in range(R)]),
-            angle=tok_angle.mean(-1).cpu().numpy(), update=tok_update.mean(-1).cpu().numpy(),
-            kl_prev=cat["kl"].mean(-1).cpu().numpy(),
-            token_loss=tok_loss.cpu().numpy(), token_angle=tok_angle.cpu().numpy(),
-            token_update=tok_update.cpu().numpy(), token_kl_prev=cat["kl"].cpu().numpy(),
-            top_ids=cat["top_i"].cpu().numpy(), top_p=cat["top_p"].float().cpu().numpy(),
-            target_p=cat["tp"].masked_fill(~m, float("nan")).cpu().numpy(),
-            target_rank=cat["rank"].masked_fill(~m, 0).cpu().numpy(),
-            proj=None, explained=None)
-        view.proj, view.explained = _pca(states, dims)
-    return view
+        model, tokenizer = open_run(path, device=device, tokenizer=tokenizer)
+    except (FileNotFoundError, ValueError) as e:  # open_run names the path and what is wrong with it
+        raise ExplorerInputError(str(e)) from None
+    check_fit(model, tokenizer)
+    return model, tokenizer
 
 
 # ---- the widget ----------------------------------------------------------------------------------------
@@ -314,8 +92,9 @@ def _shape_line(x: float, xref: str, yref: str, dash: str, color: str) -> dict:
 class LoopExplorer:
     """A loop slider, prompt box and token selector over four live FigureWidgets of one cached trace.
 
-    `model` is a LoopLM (with `tokenizer`) or a checkpoint / run folder (its tokenizer is found next
-    to it). Display it in a notebook as the last expression of a cell (or `display(explorer.widget)`).
+    `model` is a LoopLM (with `tokenizer`) or a run / checkpoint folder (opened by `io.open_run`,
+    with the run's tokenizer). Display it in a notebook as the last expression of a cell (or
+    `display(explorer.widget)`). `view` is the `loop_view` Dataset on screen, `labels` its tokens' labels.
     """
 
     def __init__(self, model, tokenizer=None, text: str = DEFAULT_TEXT, max_loops: int | None = None, *,
@@ -330,7 +109,8 @@ class LoopExplorer:
         self._max_loops_arg = max_loops
         self.model: LoopLM | None = None
         self.tokenizer = None
-        self.view: LoopView | None = None
+        self.view = None  # the loop_view Dataset of the prompt shown
+        self.labels: list[str] = []  # a visible label per prompt position
         self.text = ""
         self.loop = 1
         self.token = 0
@@ -412,7 +192,7 @@ class LoopExplorer:
         """
         if isinstance(model, (str, os.PathLike)):
             source = f"{os.fspath(model)} · "
-            model, tokenizer = load_checkpoint(model, tokenizer, self.device)
+            model, tokenizer = open_path(model, tokenizer, self.device)
         else:
             check_fit(model, tokenizer)
             model = model.to(self.device)
@@ -457,9 +237,9 @@ class LoopExplorer:
         ids, note = self._encode(text)
         R = self.max_loops
         labels = [token_label(self.tokenizer, int(i)) for i in ids]
-        view = compute_view(self.model, ids, R, self.top_k, self.dims, labels)
+        view = loop_view(self.model, ids, R, top_k=self.top_k, dims=self.dims, horizon=R)
         self.traces += 1
-        self.view, self.text = view, text
+        self.view, self.labels, self.text = view, labels, text
         notes = [note] if note else []
         if self.model.horizon_dependent:
             notes.append(f"this model's loops depend on the total loop count (timestep conditioning): "
@@ -486,7 +266,7 @@ class LoopExplorer:
 
     def set_token(self, i: int) -> None:
         """Follow position i of the prompt (0-based) in the predictions, trajectory and heatmap."""
-        T = len(self.view.tokens) if self.view is not None else 1
+        T = self.view.sizes["token"] if self.view is not None else 1
         i = check_int(i, "token", 0, T - 1)
         self.token = i
         if self.token_select.value != i and not self._syncing:
@@ -501,9 +281,9 @@ class LoopExplorer:
         v = self.view
         self._syncing = True
         try:
-            self.slider.max = v.max_loops
+            self.slider.max = v.sizes["loop"]
             self.slider.value = self.loop
-            self.token_select.options = [(f"{i}: {lab}", i) for i, lab in enumerate(v.labels)]
+            self.token_select.options = [(f"{i}: {lab}", i) for i, lab in enumerate(self.labels)]
             self.token_select.value = self.token
             if self.prompt.value != self.text:
                 self.prompt.value = self.text
@@ -579,30 +359,31 @@ class LoopExplorer:
 
     def _draw_view(self) -> None:
         """Put a new view's loop-independent data (curves, heatmap, axis ranges) in the figures."""
-        v, R = self.view, self.view.max_loops
-        loops = np.arange(1, R + 1)
-        K = v.training_loops
+        v, labels = self.view, self.labels
+        R, K = v.sizes["loop"], int(v.attrs["training_loops"])
+        loops = v.loop.values
         c = self.figures["curves"]
         with c.batch_update():
             for i, (name, _) in enumerate(METRICS):
-                c.data[3 * i].x, c.data[3 * i].y = loops, v.curve(name)
+                c.data[3 * i].x, c.data[3 * i].y = loops, v[name].values
                 c.data[3 * i + 1].x = loops
                 c.layout.shapes[i].x0 = c.layout.shapes[i].x1 = K
             c.update_xaxes(range=[0.5, R + 0.5])
             c.layout.title = dict(text=f"per-loop drift (dashed: trained at K={K})", font=dict(size=13))
         h = self.figures["heatmap"]
         with h.batch_update():
-            z = np.log10(np.maximum(v.token_update.T, 1e-12))
-            h.data[0].z, h.data[0].x, h.data[0].y = z, loops, np.arange(len(v.tokens))
-            h.data[0].text = np.broadcast_to(np.array(v.labels, dtype=object)[:, None], z.shape)
+            z = np.log10(np.maximum(v.token_relative_update.values.T, 1e-12))
+            h.data[0].z, h.data[0].x, h.data[0].y = z, loops, v.token.values
+            h.data[0].text = np.broadcast_to(np.array(labels, dtype=object)[:, None], z.shape)
             h.data[0].hovertemplate = ("position %{y} %{text}, loop %{x}<br>log10 update %{z:.2f}"
                                        "<extra></extra>")
         t = self.figures["trajectory"]
         with t.batch_update():
-            lo, hi = v.proj.reshape(-1, self.dims).min(0), v.proj.reshape(-1, self.dims).max(0)
+            pts = v.pca.values.reshape(-1, self.dims)
+            lo, hi = pts.min(0), pts.max(0)
             pad = 0.05 * np.maximum(hi - lo, 1e-6)
             ranges = [[float(a - p), float(b + p)] for a, b, p in zip(lo, hi, pad)]
-            share = ", ".join(f"{100 * s:.0f}%" for s in v.explained)
+            share = ", ".join(f"{100 * s:.0f}%" for s in v.explained_variance.values)
             t.layout.title.text = f"hidden state, PCA over all loops and tokens (variance {share})"
             if self.dims == 3:
                 t.layout.scene = dict(xaxis=dict(range=ranges[0], title="PC1"),
@@ -611,7 +392,7 @@ class LoopExplorer:
             else:
                 t.layout.xaxis = dict(range=ranges[0], title="PC1")
                 t.layout.yaxis = dict(range=ranges[1], title="PC2")
-            t.data[0].text = v.labels
+            t.data[0].text = labels
         self._draw_token()
 
     def _draw_token(self) -> None:
@@ -622,14 +403,14 @@ class LoopExplorer:
         c = self.figures["curves"]
         with c.batch_update():
             for m, (name, _) in enumerate(METRICS):
-                c.data[3 * m + 1].y = v.token_curve(name)[:, i]
+                c.data[3 * m + 1].y = v["token_" + name].values[:, i]
         t = self.figures["trajectory"]
-        R, K = v.max_loops, v.training_loops
-        path = v.proj[:, i]
+        R, K = v.sizes["loop"], int(v.attrs["training_loops"])
+        path = v.pca.values[:, i]  # states 0..R
         with t.batch_update():
             self._set_xyz(t.data[1], path)
             t.data[1].marker.color = np.arange(R + 1)
-            t.data[1].text = [f"{v.labels[i]} · loop {r}" for r in range(R + 1)]
+            t.data[1].text = [f"{self.labels[i]} · loop {r}" for r in range(R + 1)]
             self._set_xyz(t.data[2], path[K:K + 1] if K <= R else path[:0])
         h = self.figures["heatmap"]
         with h.batch_update():
@@ -642,38 +423,39 @@ class LoopExplorer:
             trace.z = pts[:, 2]
 
     def _draw_loop(self) -> None:
-        """Re-slice the cached view at the chosen loop and token: the only work a slider move does."""
+        """Re-slice the view Dataset at the chosen loop and token: the only work a slider move does."""
         v = self.view
         if v is None:
             return
-        r, i, K = self.loop, self.token, v.training_loops
-        j = r - 1
+        r, i, K = self.loop, self.token, int(v.attrs["training_loops"])
+        j = r - 1  # loop r is index r - 1 of dim loop; state r is index r of dim state
         past = (f"extrapolating {r - K} loop{'s' * (r - K != 1)} past K" if r > K else
                 "at the training horizon" if r == K else f"{K - r} loop{'s' * (K - r != 1)} short of K")
-        self.position.value = (f'<span class="wb-explorer-position">loop <b>{r}</b> of {v.max_loops} · '
+        self.position.value = (f'<span class="wb-explorer-position">loop <b>{r}</b> of {v.sizes["loop"]} · '
                                f'trained at K = {K} · {past}</span>')
         p = self.figures["predictions"]
-        ids = v.top_ids[j, i]
+        ids, probs = v.top_id.values[j, i], v.top_p.values[j, i]
         names = [f"{rank + 1}. {token_label(self.tokenizer, int(t))}" for rank, t in enumerate(ids)]
-        nxt = int(v.tokens[i + 1]) if i + 1 < len(v.tokens) else None
+        nxt = int(v.target_id.values[i])
         with p.batch_update():
-            p.data[0].x, p.data[0].y = v.top_p[j, i], names
-            p.data[0].text = [f"{100 * q:.1f}%" for q in v.top_p[j, i]]
+            p.data[0].x, p.data[0].y = probs, names
+            p.data[0].text = [f"{100 * q:.1f}%" for q in probs]
             p.data[0].marker.color = ["#d62728" if int(t) == nxt else "#1f77b4" for t in ids]
-            truth = (f"true next {token_label(self.tokenizer, nxt)}: p={v.target_p[j, i]:.3f}, "
-                     f"rank {int(v.target_rank[j, i])}" if nxt is not None else "end of prompt")
-            p.layout.title.text = (f"after “{html.escape(v.labels[i])}” (position {i}) at loop {r}"
+            truth = (f"true next {token_label(self.tokenizer, nxt)}: p={v.target_p.values[j, i]:.3f}, "
+                     f"rank {int(v.target_rank.values[j, i])}" if nxt >= 0 else "end of prompt")
+            p.layout.title.text = (f"after “{html.escape(self.labels[i])}” (position {i}) at loop {r}"
                                    f"<br><sub>{html.escape(truth)}</sub>")
         c = self.figures["curves"]
         n = len(METRICS)
         with c.batch_update():
             for m, (name, _) in enumerate(METRICS):
-                c.data[3 * m + 2].x, c.data[3 * m + 2].y = [r], [v.curve(name)[j]]
+                c.data[3 * m + 2].x, c.data[3 * m + 2].y = [r], [float(v[name].values[j])]
                 c.layout.shapes[n + m].x0 = c.layout.shapes[n + m].x1 = r
         t = self.figures["trajectory"]
+        pca = v.pca.values
         with t.batch_update():
-            self._set_xyz(t.data[0], v.proj[r])
-            self._set_xyz(t.data[3], v.proj[r, i:i + 1])
+            self._set_xyz(t.data[0], pca[r])
+            self._set_xyz(t.data[3], pca[r, i:i + 1])
         h = self.figures["heatmap"]
         with h.batch_update():
             h.layout.shapes[0].x0 = h.layout.shapes[0].x1 = r
