@@ -125,10 +125,17 @@ def bars(names, values, title: str, y_title: str) -> go.Figure:
     return fig
 
 
-def trajectory(proj, labels, positions, K: int | None = None,
+def trajectory(view, positions, labels=None, K: int | None = None,
                title: str = "The hidden state across loops (PCA of all loops)") -> go.Figure:
-    """Return 2-D paths of states 0..R [R+1, T, >=2] for the chosen token positions, loop K starred."""
-    proj = np.asarray(proj)
+    """Return 2-D paths of states 0..R (a `loop_view` Dataset's `pca`) for the chosen positions, loop K starred.
+
+    `labels` name the positions (default: the Dataset's `label` coordinate, else the token ids); K
+    defaults to the Dataset's `training_loops` attr.
+    """
+    proj = np.asarray(view["pca"].values)
+    if labels is None:
+        labels = [str(x) for x in (view["label"] if "label" in view.coords else view["token_id"]).values]
+    K = int(view.attrs["training_loops"]) if K is None and "training_loops" in view.attrs else K
     fig = _fig(title, "PC 1", "PC 2", height=480)
     for i in positions:
         path = proj[:, i, :2]
