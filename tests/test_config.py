@@ -67,3 +67,70 @@ def test_config_is_frozen():
     with pytest.raises(Exception):
         cfg.loops = 3  # type: ignore[misc]
     assert cfg.replace(loops=3).loops == 3
+
+
+# ---- the shared argument checks ---------------------------------------------------------------------------
+def test_check_int_accepts_integers_in_range_and_names_field_value_and_range():
+    import numpy as np
+
+    from workbench.config import check_int
+
+    assert check_int("n", 3) == 3 and check_int("n", np.int64(4), 1, 4) == 4
+    assert type(check_int("n", np.int32(2), 0)) is int
+    for value, lo, hi, allowed in ((True, None, None, "must be an integer"), (2.0, None, None, "must be an integer"),
+                                   ("3", 0, None, "must be an integer >= 0"), (0, 1, None, "must be an integer >= 1"),
+                                   (11, 2, 10, "must be an integer in 2..10"), (5, None, 4, "must be an integer <= 4")):
+        with pytest.raises(ValueError) as err:
+            check_int("depth", value, lo, hi)
+        assert str(err.value) == f"depth={value!r} is invalid: {allowed}"
+    with pytest.raises(ValueError, match=r"^seed='x' is invalid: a seed$"):
+        check_int("seed", "x", allowed="a seed")
+
+
+def test_check_float_bounds_finiteness_and_bools():
+    import math
+
+    import numpy as np
+
+    from workbench.config import check_float
+
+    assert check_float("p", 1) == 1.0 and check_float("p", np.float32(0.5), 0, 1) == 0.5
+    assert check_float("x", math.inf, finite=False) == math.inf
+    assert check_float("p", 0.0, 0, 1) == 0.0 and check_float("p", 1.0, 0, 1) == 1.0  # closed by default
+    cases = [
+        (True, {}, "must be a finite number"), ("0.5", {}, "must be a finite number"),
+        (math.nan, {"finite": False}, "must be a number"), (math.inf, {}, "must be a finite number"),
+        (1.5, {"lo": 0, "hi": 1}, "must be a finite number in [0, 1]"),
+        (1.0, {"lo": 0, "hi": 1, "hi_open": True}, "must be a finite number in [0, 1)"),
+        (0.0, {"lo": 0, "lo_open": True}, "must be a finite number > 0"),
+        (-1e-9, {"lo": 0}, "must be a finite number >= 0"), (3.0, {"hi": 2, "hi_open": True}, "must be a finite number < 2"),
+    ]
+    for value, kw, allowed in cases:
+        with pytest.raises(ValueError) as err:
+            check_float("eps", value, **kw)
+        assert str(err.value) == f"eps={value!r} is invalid: {allowed}", (value, kw)
+
+
+def test_check_bool_and_check_choice():
+    from workbench.config import check_bool, check_choice, fail
+
+    assert check_bool("flag", False) is False
+    for bad in (0, 1, "yes", None):
+        with pytest.raises(ValueError, match=rf"^flag={bad!r} is invalid: must be True or False$"):
+            check_bool("flag", bad)
+    assert check_choice("kind", "dense", ("scalar", "dense")) == "dense"
+    with pytest.raises(ValueError, match=r"^kind='conv' is invalid: must be one of scalar, dense$"):
+        check_choice("kind", "conv", ("scalar", "dense"))
+    with pytest.raises(ValueError, match="must be one of 1, 2"):
+        check_choice("n", True, (1, 2))  # True == 1, but a bool is not a count
+    with pytest.raises(ValueError, match=r"^where: x=\[1\] is invalid: no lists$"):
+        fail("where: x", [1], "no lists")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tie_embeddings", 1), ("hyper_dynamic", "yes"), ("rope_theta", float("inf")), ("norm_eps", 0),
+    ("init_std", True), ("taper_start", "1.5"), ("d_ff", True), ("n_kv_heads", 1.0),
+])
+def test_other_fields_are_checked_too(field, value):
+    with pytest.raises(ValueError, match=rf"LoopConfig\.{field}={value!r}"):
+        LoopConfig(**{field: value})

@@ -1,11 +1,19 @@
-"""LoopConfig: the one description of a looped model's architecture, validated at construction."""
+"""LoopConfig: the one description of a looped model's architecture, validated at construction.
+
+Also the library's argument checks (`fail`, `check_int`, `check_float`, `check_bool`, `check_choice`):
+they live here, in the lowest room, so every module (models included) raises the same message,
+"<field>=<value!r> is invalid: <what is allowed>".
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 INJECT = ("none", "scalar", "channel", "dense", "stable", "bridge")
 HISTORY_OPS = ("scalar", "channel", "dense")
@@ -13,8 +21,67 @@ TIMESTEP = ("none", "loop_gate", "branch_gate", "adaln")
 TAPER = ("uniform", "cosine", "reverse")
 
 
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"LoopConfig.{field}={value!r} is invalid: {allowed}")
+# ---- argument checks, shared by the whole library ------------------------------------------------------
+def fail(field: str, value: Any, allowed: str) -> NoReturn:
+    """Raise ValueError "<field>=<value!r> is invalid: <allowed>"; never returns."""
+    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, *,
+              allowed: str | None = None) -> int:
+    """Return value as an int if it is an integer (not a bool; numpy integers count) in [lo, hi], else fail."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if ok and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+        ok = False
+    if not ok:
+        if allowed is None:
+            allowed = ("must be an integer" + (f" in {lo}..{hi}" if lo is not None and hi is not None else
+                                               f" >= {lo}" if lo is not None else
+                                               f" <= {hi}" if hi is not None else ""))
+        fail(field, value, allowed)
+    return int(value)
+
+
+def check_float(field: str, value: Any, lo: float | None = None, hi: float | None = None, *,
+                finite: bool = True, lo_open: bool = False, hi_open: bool = False,
+                allowed: str | None = None) -> float:
+    """Return value as a float if it is a real number (not a bool, never NaN; finite unless finite=False)
+    within the bounds (inclusive unless lo_open / hi_open), else fail."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = not math.isnan(v) and (math.isfinite(v) or not finite)
+        if ok and lo is not None:
+            ok = v > lo if lo_open else v >= lo
+        if ok and hi is not None:
+            ok = v < hi if hi_open else v <= hi
+    if not ok:
+        if allowed is None:
+            what = "must be a finite number" if finite else "must be a number"
+            if lo is not None and hi is not None:
+                what += f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+            elif lo is not None:
+                what += f" {'>' if lo_open else '>='} {lo}"
+            elif hi is not None:
+                what += f" {'<' if hi_open else '<='} {hi}"
+            allowed = what
+        fail(field, value, allowed)
+    return float(value)
+
+
+def check_bool(field: str, value: Any) -> bool:
+    """Return value if it is a bool (not 0 / 1 or any other truthy thing), else fail."""
+    if not isinstance(value, bool):
+        fail(field, value, "must be True or False")
+    return value
+
+
+def check_choice(field: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Return value if it is one of choices, else fail listing them."""
+    choices = tuple(choices)
+    if not any(isinstance(value, bool) == isinstance(c, bool) and value == c for c in choices):  # True != 1 here
+        fail(field, value, f"must be one of {', '.join(map(str, choices))}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,47 +117,48 @@ class LoopConfig:
     adapter_rank: int = 0  # rank of low-rank updates on every core linear (retrofit adapters); 0 is off
 
     def __post_init__(self) -> None:
+        def f(name: str) -> str:
+            return f"LoopConfig.{name}"
+
         for name in ("vocab_size", "d_model", "n_heads", "core", "loops", "max_seq_len", "hyper",
                      "taper_multiple"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                _fail(name, v, "must be an integer >= 1")
+            check_int(f(name), getattr(self, name), 1)
         for name in ("prelude", "coda", "history", "adapter_rank"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                _fail(name, v, "must be an integer >= 0")
+            check_int(f(name), getattr(self, name), 0)
+        for name in ("tie_embeddings", "sandwich_norm", "attn_bias", "hyper_dynamic"):
+            check_bool(f(name), getattr(self, name))
         if self.adapter_rank > self.d_model:
-            _fail("adapter_rank", self.adapter_rank, f"must be <= d_model={self.d_model} (a low-rank update)")
+            fail(f("adapter_rank"), self.adapter_rank, f"must be <= d_model={self.d_model} (a low-rank update)")
         if self.d_model % self.n_heads:
-            _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model}")
+            fail(f("n_heads"), self.n_heads, f"must divide d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
-            _fail("n_heads", self.n_heads,
-                  f"head size d_model/n_heads={self.d_model // self.n_heads} must be even for rotary")
-        kv = self.kv_heads
-        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_heads % kv:
-            _fail("n_kv_heads", self.n_kv_heads, f"must be an integer >= 1 dividing n_heads={self.n_heads}")
-        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
-            _fail("d_ff", self.d_ff, "must be None or an integer >= 1")
+            fail(f("n_heads"), self.n_heads,
+                 f"head size d_model/n_heads={self.d_model // self.n_heads} must be even for rotary")
+        if self.n_kv_heads is not None:
+            check_int(f("n_kv_heads"), self.n_kv_heads, 1,
+                      allowed=f"must be None or an integer >= 1 dividing n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            fail(f("n_kv_heads"), self.n_kv_heads, f"must be None or an integer >= 1 dividing n_heads={self.n_heads}")
+        if self.d_ff is not None:
+            check_int(f("d_ff"), self.d_ff, 1, allowed="must be None or an integer >= 1")
         for name, allowed in (("inject", INJECT), ("history_op", HISTORY_OPS),
                               ("timestep", TIMESTEP), ("taper", TAPER)):
-            if getattr(self, name) not in allowed:
-                _fail(name, getattr(self, name), f"must be one of {', '.join(allowed)}")
+            check_choice(f(name), getattr(self, name), allowed)
         for name in ("rope_theta", "norm_eps", "init_std"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                _fail(name, v, "must be a number > 0")
-        if not 0 < self.taper_end <= self.taper_start:
-            _fail("taper_end", self.taper_end, f"must be > 0 and <= taper_start={self.taper_start}")
+            check_float(f(name), getattr(self, name), 0, lo_open=True)
+        check_float(f("taper_start"), self.taper_start, 0, lo_open=True)
+        check_float(f("taper_end"), self.taper_end, 0, self.taper_start, lo_open=True,
+                    allowed=f"must be > 0 and <= taper_start={self.taper_start}")
         if abs(self.taper_start + self.taper_end - 2.0) > 1e-12:
-            _fail("taper_start", self.taper_start,
-                  f"taper_start + taper_end must equal 2 so the budget is exact (taper_end={self.taper_end})")
+            fail(f("taper_start"), self.taper_start,
+                 f"taper_start + taper_end must equal 2 so the budget is exact (taper_end={self.taper_end})")
         if self.ff_mean % self.taper_multiple:
-            _fail("taper_multiple", self.taper_multiple, f"must divide the mean MLP width {self.ff_mean}")
+            fail(f("taper_multiple"), self.taper_multiple, f"must divide the mean MLP width {self.ff_mean}")
         if self.taper != "uniform":
             # the narrowest layer must keep at least one rounding unit
             if self.taper_end * self.ff_mean < self.taper_multiple:
-                _fail("taper_end", self.taper_end,
-                      f"taper_end * d_ff must be >= taper_multiple={self.taper_multiple}")
+                fail(f("taper_end"), self.taper_end,
+                     f"taper_end * d_ff must be >= taper_multiple={self.taper_multiple}")
 
     @property
     def kv_heads(self) -> int:

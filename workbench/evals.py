@@ -19,15 +19,24 @@ import torch
 import torch.nn.functional as F
 import xarray as xr
 
+from .config import check_int, fail
 from .io import provenance
 from .models.looped import LoopLM
 
 
 def _check_loops(loops: Sequence[int]) -> list[int]:
-    rs = sorted(set(loops))
-    if not rs or any(not isinstance(r, (int, np.integer)) or r < 1 for r in rs):
-        raise ValueError(f"loops={list(loops)!r} is invalid: must be a non-empty list of integers >= 1")
-    return [int(r) for r in rs]
+    """Return the distinct loop counts in increasing order, or raise naming the whole list."""
+    allowed = "must be a non-empty list of integers >= 1"
+    if isinstance(loops, (str, bytes)) or not isinstance(loops, Iterable):
+        fail("loops", loops, allowed)
+    items = list(loops)
+    try:
+        rs = sorted({check_int("loops", r, 1) for r in items})
+    except ValueError:
+        rs = []
+    if not rs:
+        fail("loops", items, allowed)
+    return rs
 
 
 def _logits_per_loop(model: LoopLM, tokens: torch.Tensor, loops: list[int]):
@@ -83,8 +92,7 @@ def sweep_examples(model: LoopLM, examples: Sequence[Any], tokenizer, loops: Seq
     from tqdm.auto import tqdm
 
     rs = _check_loops(loops)
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
+    batch_size = check_int("batch_size", batch_size, 1)
     if not examples:
         raise ValueError("examples is empty: nothing to evaluate")
     dev = _device(model, device)

@@ -77,6 +77,8 @@ import xarray as xr
 from scipy.optimize import least_squares, minimize
 from threadpoolctl import threadpool_limits
 
+from .config import check_float, check_int
+
 __all__ = [
     "HUBER_DELTA", "LawFit", "Allocation", "fit_chinchilla", "fit_phi", "fit_truncation", "fit_test_time",
     "chinchilla_optimal", "optimal_allocation", "huber_objective", "start_grid", "flops_per_token",
@@ -718,15 +720,10 @@ def _derived(lw: _Law, thetas: np.ndarray) -> tuple[np.ndarray, list[str]]:
 # ---------------------------------------------------------------------------------------------------------
 # the LSE fits
 # ---------------------------------------------------------------------------------------------------------
-def _check_bootstrap(bootstrap: Any, where: str) -> int:
-    if isinstance(bootstrap, bool) or not isinstance(bootstrap, (int, np.integer)) or bootstrap < 0:
-        raise ValueError(f"{where}: bootstrap={bootstrap!r} is invalid: must be an integer >= 0")
-    return int(bootstrap)
-
-
 def _fit_lse(data: _Data, where: str, bootstrap: int, seed: int, fixed_phi: float | None,
              starts: Any) -> LawFit:
-    bootstrap = _check_bootstrap(bootstrap, where)
+    bootstrap = check_int(f"{where}: bootstrap", bootstrap, 0)
+    seed = check_int(f"{where}: seed", seed)
     lw = _Law(data, fixed_phi)
     n, p = len(data.loss), len(lw.names)
     if n < p + 1:
@@ -819,11 +816,8 @@ def fit_truncation(table: Any, bootstrap: int = 1000, seed: int = 0, phi: float 
     `fit_phi`); otherwise it is fitted in [0, 1.5]. `starts`: rows of [a, b, e, alpha, beta, (phi), psi].
     """
     if phi is not None:
-        if isinstance(phi, bool) or not isinstance(phi, (int, float, np.floating, np.integer)) \
-                or not _PHI_BOUNDS[0] <= float(phi) <= _PHI_BOUNDS[1]:
-            raise ValueError(f"fit_truncation: phi={phi!r} is invalid: must be None (fitted) or a number in "
-                             f"[{_PHI_BOUNDS[0]}, {_PHI_BOUNDS[1]}]")
-        phi = float(phi)
+        phi = check_float("fit_truncation: phi", phi, *_PHI_BOUNDS,
+                          allowed=f"must be None (fitted) or a number in [{_PHI_BOUNDS[0]}, {_PHI_BOUNDS[1]}]")
     data = _read_table(table, "truncation", "fit_truncation")
     return _fit_lse(data, "fit_truncation", bootstrap, seed, phi, starts)
 
@@ -873,7 +867,8 @@ def fit_test_time(loops: Any, losses: Any = None, bootstrap: int = 0, seed: int 
     the Jacobian at the optimum).
     """
     where = "fit_test_time"
-    bootstrap = _check_bootstrap(bootstrap, where)
+    bootstrap = check_int(f"{where}: bootstrap", bootstrap, 0)
+    seed = check_int(f"{where}: seed", seed)
     if losses is None and isinstance(loops, (pd.DataFrame, Mapping)):
         cols, _ = _columns(loops, where)
         _equal_lengths(cols, ["loops", "loss"], where)
@@ -1003,8 +998,7 @@ def optimal_allocation(fit: LawFit, flops: Any, n_once: float, n_rec: float,
     c = _positive(flops, "flops", where)
     scalar = np.ndim(c) == 0
     c = np.atleast_1d(c).reshape(-1)
-    if not (np.isfinite(n_once) and n_once >= 0):
-        raise ValueError(f"{where}: n_once={n_once!r} is invalid: must be finite and >= 0")
+    n_once = check_float(f"{where}: n_once", n_once, 0)
     _positive(n_rec, "n_rec", where)
     r = np.asarray(list(loops_grid), dtype=np.float64)
     if r.size == 0 or r.ndim != 1 or not np.all(np.isfinite(r)) or np.any(r < 1):
@@ -1015,10 +1009,8 @@ def optimal_allocation(fit: LawFit, flops: Any, n_once: float, n_rec: float,
     elif callable(backward_loops):
         k = np.array([float(backward_loops(int(v) if float(v).is_integer() else v)) for v in r])
     else:
-        if isinstance(backward_loops, bool) or not np.isfinite(backward_loops) or backward_loops < 1:
-            raise ValueError(f"{where}: backward_loops={backward_loops!r} is invalid: must be None, a number >= 1, "
-                             "or a function of the loop count")
-        k = np.minimum(float(backward_loops), r)
+        k = np.minimum(check_float(f"{where}: backward_loops", backward_loops, 1,
+                                   allowed="must be None, a number >= 1, or a function of the loop count"), r)
     if np.any(k < 1) or np.any(k > r):
         i = int(np.flatnonzero((k < 1) | (k > r))[0])
         raise ValueError(f"{where}: backward_loops gives k={k[i]!r} at loops={r[i]!r}; must be in 1..loops")

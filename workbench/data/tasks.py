@@ -69,12 +69,13 @@ than are given. Bad arguments raise ValueError naming the field, the value and w
 from __future__ import annotations
 
 import math
-import numbers
 import random
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..config import check_bool, check_float, check_int, fail
 
 REASONING = "reasoning"
 KNOWLEDGE = "knowledge"
@@ -111,43 +112,6 @@ class Example:
     def text(self) -> str:
         """Return prompt + answer, the string a training stream holds."""
         return self.prompt + self.answer
-
-
-# ----------------------------------------------------------------------------- validation helpers
-
-def _fail(field_name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"{field_name}={value!r} is invalid: {allowed}")
-
-
-def _check_int(field_name: str, value: Any, lo: int | None = None, hi: int | None = None,
-               allowed: str | None = None) -> int:
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if ok and lo is not None and value < lo:
-        ok = False
-    if ok and hi is not None and value > hi:
-        ok = False
-    if not ok:
-        if allowed is None:
-            if lo is not None and hi is not None:
-                allowed = f"must be an integer in {lo}..{hi}"
-            elif lo is not None:
-                allowed = f"must be an integer >= {lo}"
-            else:
-                allowed = "must be an integer"
-        _fail(field_name, value, allowed)
-    return int(value)
-
-
-def _check_prob(field_name: str, value: Any) -> float:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
-        _fail(field_name, value, "must be a number in [0, 1]")
-    return float(value)
-
-
-def _check_bool(field_name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        _fail(field_name, value, "must be True or False")
-    return value
 
 
 # ----------------------------------------------------------------------------- invented names
@@ -255,10 +219,10 @@ def _deduction_one(rng: random.Random, depth: int, n_entities: int, distractor_f
 def _deduction(rng: random.Random, n: int, depth: int, seed: int, *, n_entities: int,
                distractor_facts: int, distractor_rules: int, p_true: float,
                p_generic: float) -> list[Example]:
-    n_entities = _check_int("n_entities", n_entities, 1, 20)
-    distractor_facts = _check_int("distractor_facts", distractor_facts, 0, 50)
-    distractor_rules = _check_int("distractor_rules", distractor_rules, 0, 50)
-    p_true, p_generic = _check_prob("p_true", p_true), _check_prob("p_generic", p_generic)
+    n_entities = check_int("n_entities", n_entities, 1, 20)
+    distractor_facts = check_int("distractor_facts", distractor_facts, 0, 50)
+    distractor_rules = check_int("distractor_rules", distractor_rules, 0, 50)
+    p_true, p_generic = check_float("p_true", p_true, 0, 1), check_float("p_generic", p_generic, 0, 1)
     return [_deduction_one(rng, depth, n_entities, distractor_facts, distractor_rules, p_true, p_generic)
             for _ in range(n)]
 
@@ -417,8 +381,8 @@ def _kinship_one(rng: random.Random, depth: int, max_up: int, max_down: int, com
 
 def _kinship(rng: random.Random, n: int, depth: int, seed: int, *, max_up: int, max_down: int,
              compound: bool, shuffle: bool) -> list[Example]:
-    max_up, max_down = _check_int("max_up", max_up, 1, 12), _check_int("max_down", max_down, 1, 12)
-    compound, shuffle = _check_bool("compound", compound), _check_bool("shuffle", shuffle)
+    max_up, max_down = check_int("max_up", max_up, 1, 12), check_int("max_down", max_down, 1, 12)
+    compound, shuffle = check_bool("compound", compound), check_bool("shuffle", shuffle)
     return [_kinship_one(rng, depth, max_up, max_down, compound, shuffle) for _ in range(n)]
 
 
@@ -457,9 +421,9 @@ def _iterated_one(rng: random.Random, depth: int, rule: str | None, modulus: int
 def _iterated(rng: random.Random, n: int, depth: int, seed: int, *, rule: str | None, modulus: int,
               length: int) -> list[Example]:
     if rule is not None and rule not in ITERATED_RULES:
-        _fail("rule", rule, f"must be None (one drawn per example) or one of {', '.join(ITERATED_RULES)}")
-    modulus = _check_int("modulus", modulus, 3, 10**6)
-    length = _check_int("length", length, 2, 26)
+        fail("rule", rule, f"must be None (one drawn per example) or one of {', '.join(ITERATED_RULES)}")
+    modulus = check_int("modulus", modulus, 3, 10**6)
+    length = check_int("length", length, 2, 26)
     return [_iterated_one(rng, depth, rule, modulus, length) for _ in range(n)]
 
 
@@ -495,15 +459,15 @@ def _recall_world(n_entities: int, seed: int) -> list[tuple[str, list[str]]]:
 
 def recall_facts(n_entities: int, seed: int = 0) -> list[str]:
     """Return the training sentences stating every fact of the first n_entities countries of `seed`."""
-    n_entities = _check_int("n_entities", n_entities, 1)
-    _check_int("seed", seed)
+    n_entities = check_int("n_entities", n_entities, 1)
+    check_int("seed", seed)
     return [f"{tmpl.format(country)} {value}."
             for country, values in _recall_world(n_entities, seed)
             for (tmpl, _), value in zip(_RECALL_RELATIONS, values)]
 
 
 def _recall(rng: random.Random, n: int, depth: int, seed: int, *, n_entities: int) -> list[Example]:
-    n_entities = _check_int("n_entities", n_entities, 1)
+    n_entities = check_int("n_entities", n_entities, 1)
     world = _recall_world(n_entities, seed)
     pairs = [(i, j) for i in range(n_entities) for j in range(len(_RECALL_RELATIONS))]
     out: list[Example] = []
@@ -540,7 +504,7 @@ TASKS = tuple(_TASKS)
 
 def _task(name: Any) -> _Task:
     if not isinstance(name, str) or name not in _TASKS:
-        _fail("name", name, f"must be one of {', '.join(TASKS)}")
+        fail("name", name, f"must be one of {', '.join(TASKS)}")
     return _TASKS[name]
 
 
@@ -557,15 +521,15 @@ def task_options(name: str) -> dict[str, Any]:
 def make_task(name: str, n: int, depth: int, seed: int = 0, **options: Any) -> list[Example]:
     """Return n seeded examples of task `name` at difficulty `depth` (see the module docstring)."""
     task = _task(name)
-    n = _check_int("n", n, 0)
+    n = check_int("n", n, 0)
     lo, hi = task.depths
     span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-    depth = _check_int("depth", depth, lo, hi, allowed=f"task {name!r} supports integer depths {span}")
-    seed = _check_int("seed", seed)
+    depth = check_int("depth", depth, lo, hi, allowed=f"task {name!r} supports integer depths {span}")
+    seed = check_int("seed", seed)
     for key in options:
         if key not in task.defaults:
-            _fail(key, options[key], f"is not an option of task {name!r}; options are "
-                                     f"{', '.join(task.defaults) or 'none'}")
+            fail(key, options[key], f"is not an option of task {name!r}; options are "
+                                    f"{', '.join(task.defaults) or 'none'}")
     rng = random.Random(f"{name}/{depth}/{seed}")
     return task.build(rng, n, depth, seed, **{**task.defaults, **options})
 
@@ -573,7 +537,7 @@ def make_task(name: str, n: int, depth: int, seed: int = 0, **options: Any) -> l
 def score(example: Example, prediction: str) -> bool:
     """Return True when prediction equals the example's answer up to surrounding whitespace."""
     if not isinstance(prediction, str):
-        _fail("prediction", prediction, "must be a string")
+        fail("prediction", prediction, "must be a string")
     return prediction.strip() == example.answer.strip()
 
 
@@ -585,7 +549,7 @@ def _texts(examples: Sequence[Example | str]) -> list[str]:
         elif isinstance(ex, str):
             out.append(ex)
         else:
-            _fail("examples", ex, "items must be Example or str")
+            fail("examples", ex, "items must be Example or str")
     return out
 
 
@@ -601,16 +565,15 @@ def mix_texts(corpus_text_chunks: Sequence[str], examples: Sequence[Example | st
     Task texts keep their order and are cycled when more are needed than given; their positions are
     drawn by `random.Random(seed)`. With c chunks, round(ratio * c / (1 - ratio)) task texts are added.
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 <= ratio < 1.0:
-        _fail("ratio", ratio, "must be a number with 0 <= ratio < 1")
-    seed = _check_int("seed", seed)
+    ratio = check_float("ratio", ratio, 0, 1, hi_open=True, allowed="must be a number with 0 <= ratio < 1")
+    seed = check_int("seed", seed)
     if isinstance(corpus_text_chunks, str) or not all(isinstance(c, str) for c in corpus_text_chunks):
-        _fail("corpus_text_chunks", corpus_text_chunks, "must be a list of strings")
+        fail("corpus_text_chunks", corpus_text_chunks, "must be a list of strings")
     chunks = list(corpus_text_chunks)
     texts = _texts(examples)
     t = round(ratio * len(chunks) / (1.0 - ratio))
     if t and not texts:
-        _fail("examples", examples, "must be non-empty when ratio > 0")
+        fail("examples", examples, "must be non-empty when ratio > 0")
     slots = set(random.Random(seed).sample(range(len(chunks) + t), t))
     out, ci, ti = [], 0, 0
     for i in range(len(chunks) + t):
