@@ -355,3 +355,74 @@ def test_bad_arguments_raise_value_errors():
         laws.optimal_allocation(phi, 1e18, 1e6, 1e7, loops_grid=[0, 1, 2])
     with pytest.raises(ValueError, match="needs parameters"):
         laws.LawFit.from_params("phi", E=1.7, A=400, B=400, alpha=0.3, beta=0.3)
+
+
+# ---- the one FLOPs formula (workbench.models.flops), shared with LoopLM -------------------------------------
+def slow_flops(n_once, n_rec, r, k, seq_len=None, d=None, l_once=0, l_rec=0, head=0):
+    """Count per token, loop by loop: once-run layers 2 forward + 4 backward per weight; loop t of r forward
+    2 N_rec, backward 4 N_rec only when t is among the last k; attention 2 seq d per layer occurrence forward."""
+    a = 0 if seq_len is None else 2 * seq_len * d
+    total = 2 * (n_once + a * l_once) + 4 * (n_once + a * l_once)
+    for t in range(1, r + 1):
+        total += 2 * (n_rec + a * l_rec)
+        if t > r - k:
+            total += 4 * (n_rec + a * l_rec)
+    return total + 2 * head + 4 * head
+
+
+def test_flops_per_token_matches_a_loop_by_loop_count():
+    from workbench.models.flops import flops_per_token
+
+    assert laws.flops_per_token is flops_per_token  # one formula, not two
+    for n_once, n_rec, r, k in [(1e6, 2e6, 1, 1), (0, 5e5, 8, 3), (3e6, 1e6, 12, 12), (7, 11, 5, 1)]:
+        assert flops_per_token(n_once, n_rec, r, k) == pytest.approx(slow_flops(n_once, n_rec, r, k), rel=1e-15)
+        got = flops_per_token(n_once, n_rec, r, k, seq_len=64, d_model=32, layers_once=2, layers_rec=3, head_params=97 * 32)
+        assert got == pytest.approx(slow_flops(n_once, n_rec, r, k, 64, 32, 2, 3, 97 * 32), rel=1e-15)
+    assert flops_per_token(1e6, 2e6, 4) == flops_per_token(1e6, 2e6, 4, 4)  # k = r by default
+    assert isinstance(flops_per_token(1, 2, 3), float)
+
+
+def test_flops_per_token_broadcasts_over_arrays():
+    from workbench.models.flops import flops_per_token
+
+    r = np.arange(1, 9)
+    k = np.minimum(r, 3)
+    got = flops_per_token(1e6, np.array([[2e6], [4e6]]), r, k, seq_len=16, d_model=8, layers_once=1, layers_rec=2)
+    assert got.shape == (2, 8)
+    for i, n_rec in enumerate((2e6, 4e6)):
+        for j in range(8):
+            assert got[i, j] == pytest.approx(slow_flops(1e6, n_rec, int(r[j]), int(k[j]), 16, 8, 1, 2), rel=1e-15)
+    fractional = flops_per_token(1e6, 2e6, 2.5, 1.5)  # a mean sampled loop count
+    assert fractional == pytest.approx(6e6 + 2 * 2e6 * 2.5 + 4 * 2e6 * 1.5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_once=-1, n_rec=1, loops=2), "n_once=-1"),
+    (dict(n_once=1, n_rec=1, loops=0), "loops=0"),
+    (dict(n_once=1, n_rec=1, loops=[1, 0.5]), r"loops=\[1, 0.5\]"),
+    (dict(n_once=1, n_rec=1, loops=2, backward_loops=3), "backward_loops=3 .*<= loops=2"),
+    (dict(n_once=1, n_rec=1, loops=True), "loops=True"),
+    (dict(n_once=1, n_rec=float("nan"), loops=2), "n_rec=nan"),
+    (dict(n_once=1, n_rec=1, loops=2, seq_len=8), "d_model=None .*seq_len"),
+])
+def test_flops_per_token_names_bad_input(kwargs, match):
+    from workbench.models.flops import flops_per_token
+
+    with pytest.raises(ValueError, match=match):
+        flops_per_token(**kwargs)
+
+
+def test_looplm_flops_agree_with_the_formula():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from workbench import LoopConfig, LoopLM
+    from workbench.models.flops import flops_per_token
+
+    cfg = LoopConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=2, prelude=2, core=3, coda=1, loops=4,
+                     inject="dense")
+    model = LoopLM(cfg)
+    pc = model.param_counts()
+    for r, k, seq, head in [(4, 4, None, False), (8, 2, 64, False), (3, 1, 128, True)]:
+        want = flops_per_token(pc["once"], pc["rec"], r, k, seq_len=seq, d_model=cfg.d_model,
+                               layers_once=cfg.prelude + cfg.coda, layers_rec=cfg.core,
+                               head_params=cfg.d_model * cfg.vocab_size if head else 0)
+        assert model.flops_per_token(r, k, seq_len=seq, include_head=head) == pytest.approx(float(want), rel=1e-15)

@@ -78,6 +78,7 @@ from scipy.optimize import least_squares, minimize
 from threadpoolctl import threadpool_limits
 
 from .config import check_float, check_int
+from .models.flops import flops_per_token  # the one formula (SPEC §2), shared with LoopLM
 
 __all__ = [
     "HUBER_DELTA", "LawFit", "Allocation", "fit_chinchilla", "fit_phi", "fit_truncation", "fit_test_time",
@@ -931,13 +932,6 @@ def fit_test_time(loops: Any, losses: Any = None, bootstrap: int = 0, seed: int 
 # ---------------------------------------------------------------------------------------------------------
 # compute-optimal allocation
 # ---------------------------------------------------------------------------------------------------------
-def flops_per_token(n_once: float, n_rec: float, loops: Any, backward_loops: Any = None) -> np.ndarray:
-    """Return training FLOPs per token 6 N_once + 2 N_rec r + 4 N_rec k (SPEC section 2; k = r by default)."""
-    r = np.asarray(loops, dtype=np.float64)
-    k = r if backward_loops is None else np.asarray(backward_loops, dtype=np.float64)
-    return 6.0 * n_once + 2.0 * n_rec * r + 4.0 * n_rec * k
-
-
 def _positive(v: Any, name: str, where: str) -> np.ndarray:
     a = np.asarray(v, dtype=np.float64)
     if not np.all(np.isfinite(a)) or np.any(a <= 0):

@@ -1,6 +1,20 @@
-"""Looped model family: layers, conditioning, hyper-connections, tapers, LoopLM."""
+"""Looped model family: layers, conditioning, hyper-connections, tapers, LoopLM, the FLOPs formula.
 
-from .looped import LoopLM, LoopOutput, LoopTrace, lm_loss
-from .taper import mlp_widths
+The names below are imported on first use, so torch-free modules (`models.flops`, used by the laws)
+load without torch.
+"""
 
-__all__ = ["LoopLM", "LoopOutput", "LoopTrace", "lm_loss", "mlp_widths"]
+from importlib import import_module
+
+_WHERE = {"LoopLM": ".looped", "LoopOutput": ".looped", "LoopTrace": ".looped", "lm_loss": ".looped",
+          "mlp_widths": ".taper", "flops_per_token": ".flops"}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    """Return one of the package's public names, importing its module on first use."""
+    if name in _WHERE:
+        value = getattr(import_module(_WHERE[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
