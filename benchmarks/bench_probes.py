@@ -73,7 +73,7 @@ def interaction_per_skip(model: LoopLM, x: torch.Tensor, r: int) -> np.ndarray:
         handles = [b.register_forward_hook(hook) for b in blocks]
         try:
             with torch.no_grad():
-                model.features(model.run_loops(model.embed_prelude(x), r)[0])
+                model.run(x, r, coda=True)  # prelude, loops, coda; no head
         finally:
             for h in handles:
                 h.remove()

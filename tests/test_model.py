@@ -221,14 +221,14 @@ def test_truncated_backprop_equals_explicit_detach():
     grads = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
     # reference: run every loop with a graph, detach the state entering loop r-k+1 (and the window)
     h0 = model.embed_prelude(x)
-    rope = model.rotary(x.shape[1], h0.dtype)
+    ctx = model.context(h0, r)
     hs = [h0]
     for t in range(r):
         if t == r - k:
             hs = [h.detach() if i > 0 else h for i, h in enumerate(hs)]
             hs[t] = hs[t].detach()
         past = [hs[t - j] for j in range(1, min(2, max(t - 1, 0)) + 1)]
-        hs.append(model.step(hs[t], h0, t, rope, past))
+        hs.append(model.step(hs[t], t, ctx, past))
     loss = F.cross_entropy(model.readout(hs[-1]).flatten(0, 1), x.flatten())
     ref = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     torch.testing.assert_close(out.loss, loss)

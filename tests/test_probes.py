@@ -265,12 +265,12 @@ def test_adjoint_norms_and_rho_equal_retain_grad_reference(variant):
     r = 5
     ds = probes.lost_gradient(model, x, y, loops=r)
     h0 = model.embed_prelude(x)
-    rope = model.rotary(x.shape[1], h0.dtype)
+    ctx = model.context(h0, r)
     hs = [h0]
     h0.retain_grad()
     for t in range(r):
         past = [hs[t - j] for j in range(1, min(model.cfg.history, max(t - 1, 0)) + 1)]
-        hs.append(model.step(hs[t], h0, t, rope, past))
+        hs.append(model.step(hs[t], t, ctx, past))
         hs[-1].retain_grad()
     loss = F.cross_entropy(model.readout(hs[-1]).flatten(0, 1), y.flatten(), ignore_index=-100)
     loss.backward()

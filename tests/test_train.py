@@ -47,10 +47,8 @@ def test_resume_is_bit_for_bit(tmp_path):
 KILLER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
-    import workbench.train as T
-    from workbench import LoopConfig
-    cfg = LoopConfig.from_json(sys.argv[2])
-    real = T.save_file
+    import safetensors.torch as S
+    real = S.save_file
     calls = []
     def dying_save(tensors, path):
         calls.append(path)
@@ -58,7 +56,10 @@ KILLER = textwrap.dedent("""
             real(tensors, path + ".partial")
             os.kill(os.getpid(), signal.SIGKILL)
         real(tensors, path)
-    T.save_file = dying_save
+    S.save_file = dying_save  # patched before workbench imports it, wherever the checkpoint writer lives
+    import workbench.train as T
+    from workbench import LoopConfig
+    cfg = LoopConfig.from_json(sys.argv[2])
     data = np.random.default_rng(0).integers(0, 256, 30000).astype(np.uint16)
     tc = T.TrainConfig(steps=6, batch_size=4, seq_len=32, checkpoint_every=2, progress=False, keep_checkpoints=1)
     T.Trainer(cfg, tc, data, out_dir=sys.argv[1]).run()

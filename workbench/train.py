@@ -30,13 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import xarray as xr
 from safetensors.torch import load_file
 
 from .config import LoopConfig
 from .io import provenance, save_netcdf
-from .models.looped import LoopLM, lm_loss
+from .models.looped import LoopLM
 
 SCHEDULES = ("cosine", "wsd", "constant")
 LOOP_SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
@@ -195,48 +194,16 @@ def sample_loops(step: int, tc: TrainConfig, K: int) -> tuple[int, int]:
 
 def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
                   backward_loops: int | None = None) -> torch.Tensor:
-    """Return the per-loop supervised loss: cross-entropy of every loop's readout against labels[:, t].
+    """Return the per-loop supervised loss: `model(tokens, labels=labels, label_weights=weights).loss`.
 
     labels is [B, loops, T] (-100 where a loop carries no label). With `weights` None or [loops] the
     loss averages the per-loop mean cross-entropies over the loops that carry a label, weighted by
     `weights` (set weights to one-hot on the last loop for final-answer-only grading). With `weights`
     [B, loops] every (example, loop) pair that carries a label counts once, with its own weight: the
     loss is the weighted mean of the pairs' mean cross-entropies (what mixed-depth batches need, whose
-    final loop differs per example).
+    final loop differs per example). A Trainer calls the (DDP-wrapped) model the same way.
     """
-    if labels.dim() != 3 or labels.shape[0] != tokens.shape[0] or labels.shape[2] != tokens.shape[1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} is invalid: must be [batch, loops, seq] = "
-                         f"[{tokens.shape[0]}, loops, {tokens.shape[1]}]")
-    B, r = labels.shape[:2]
-    w = torch.ones(r) if weights is None else torch.as_tensor(weights, dtype=torch.float32).cpu()
-    if w.shape not in ((r,), (B, r)):
-        raise ValueError(f"weights shape {tuple(w.shape)} is invalid: must be [{r}] (one per loop) or "
-                         f"[{B}, {r}] (one per example and loop)")
-    pairs = w.dim() == 2
-    h0 = model.embed_prelude(tokens)
-    _, states = model.run_loops(h0, r, backward_loops=backward_loops, keep_states=True)
-    total, norm = tokens.new_zeros((), dtype=torch.float32), 0.0
-    for t in range(1, r + 1):
-        lab = labels[:, t - 1]
-        keep = lab != -100
-        wt = w[:, t - 1] * keep.any(1).cpu() if pairs else w[t - 1]
-        if not (wt != 0).any() or not keep.any():
-            continue
-        # the head only at labelled positions: answers are a few tokens, the vocabulary may be 50k wide
-        logits = F.linear(model.features(states[t])[keep], model.head_weight)
-        if not pairs:
-            total = total + wt * lm_loss(logits[None], lab[keep][None])
-            norm += float(wt)
-            continue
-        ce = F.cross_entropy(logits.float(), lab[keep], reduction="none")
-        rows = keep.nonzero()[:, 0]
-        per_pair = torch.zeros(B, device=ce.device).index_add(0, rows, ce)
-        count = torch.zeros(B, device=ce.device).index_add(0, rows, torch.ones_like(ce)).clamp(min=1)
-        total = total + (wt.to(ce.device) * per_pair / count).sum()
-        norm += float(wt.sum())
-    if norm == 0:
-        raise ValueError("labels carry no label at any loop with non-zero weight")
-    return total / norm
+    return model(tokens, labels=labels, label_weights=weights, backward_loops=backward_loops).loss
 
 
 # ---- checkpoints: they live in io.py (one home for files); re-exported so train.save_checkpoint etc. still work
@@ -362,16 +329,22 @@ class Trainer:
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                     if (self.tc.bf16 if self.tc.bf16 is not None else self.device.type == "cuda") else nullcontext())
         with autocast:
-            if isinstance(batch, dict):  # per-loop supervision
-                tokens = batch["tokens"].to(self.device)
-                return per_loop_loss(self.model, tokens, batch["labels"].to(self.device), batch.get("weights"),
-                                     backward_loops=k)
-            batch = batch.to(self.device)
-            if self.world > 1:
-                b = batch.shape[0] // self.world
-                batch = batch[self.rank * b:(self.rank + 1) * b]
+            if isinstance(batch, dict):  # per-loop supervision, through the wrapper so DDP syncs it
+                w = batch.get("weights")
+                tokens, labels = self._shard(batch["tokens"]), self._shard(batch["labels"])
+                w = self._shard(w) if w is not None and torch.as_tensor(w).dim() == 2 else w
+                return self.train_model(tokens, labels=labels, label_weights=w, backward_loops=k).loss
+            batch = self._shard(batch)
             x, y = batch[:, :-1], batch[:, 1:]
             return self.train_model(x, loops=r, targets=y, backward_loops=k, return_logits=False).loss
+
+    def _shard(self, x):
+        """Return this rank's rows of a batch tensor, on the trainer's device (all rows when alone)."""
+        x = torch.as_tensor(x).to(self.device)
+        if self.world > 1:
+            b = x.shape[0] // self.world
+            x = x[self.rank * b:(self.rank + 1) * b]
+        return x
 
     def train_step(self) -> float:
         """Return the loss of one optimisation step (the step counter advances)."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import nn
 from ..config import LoopConfig
 from .conditioning import (HistoryInjection, InitialInjection, ReentryBridge, TimestepConditioning,
                            timestep_features)
+from .flops import flops_per_token
 from .hyper import HyperConnection
 from .layers import Block, RMSNorm, Rotary, linear_cross_entropy
 from .taper import mlp_widths
@@ -20,20 +22,155 @@ from .taper import mlp_widths
 
 @dataclass
 class LoopOutput:
-    """What a forward pass returns: logits [B, T, V], the mean loss if targets were given, the final state."""
+    """What a forward pass returns: logits [B, T, V], the mean loss if targets were given, the final state.
+
+    `cache` holds the named activations asked for with `cache=[patterns]` (empty otherwise).
+    """
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None
     state: torch.Tensor
+    cache: dict = field(default_factory=dict)
+
+
+Hook = Callable[[str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+class Places:
+    """The named places of one pass: which outputs to keep (glob patterns) and which hooks see them.
+
+    A place is a block occurrence, `prelude.{i}`, `core.{t}.{j}` (t the 1-based loop, j the 0-based
+    layer in the core), `coda.{i}`, or a loop state, `state.{t}` (`state.0` is h0). A hook is called
+    as `fn(name, x_in, x_out)`: x_in is what the occurrence read (for a hyper-connected core layer the
+    layer's own input A_m^T H), x_out its output; it returns None to only read, or a tensor of x_out's
+    shape that replaces the output (returning x_in skips the occurrence). At `state.{t}` x_in and x_out
+    are the carried states before and after loop t (n streams under hyper-connections) and the cache
+    keeps their mean, as `LoopTrace.states` does. Hooks apply in the order given; the cache keeps
+    what the hooks left. Cached tensors keep their graph when the pass has one.
+    """
+
+    def __init__(self, cache: str | Sequence[str] | None = None, hooks: Mapping[str, Hook] | None = None):
+        patterns = [cache] if isinstance(cache, str) else list(cache or ())
+        for p in patterns:
+            if not isinstance(p, str):
+                raise ValueError(f"cache={cache!r} is invalid: must be glob patterns of place names (str)")
+        if hooks is not None and not isinstance(hooks, Mapping):
+            raise ValueError(f"hooks={hooks!r} is invalid: must map glob patterns to callables")
+        for p, fn in (hooks or {}).items():
+            if not isinstance(p, str) or not callable(fn):
+                raise ValueError(f"hooks entry {p!r}: {fn!r} is invalid: must map a glob pattern (str) to a callable")
+        self.patterns = patterns
+        self.hooks = list((hooks or {}).items())
+        self.cache: dict[str, torch.Tensor] = {}
+        self._memo: dict[str, tuple[bool, tuple[Hook, ...]]] = {}
+
+    def _lookup(self, name: str) -> tuple[bool, tuple[Hook, ...]]:
+        hit = self._memo.get(name)
+        if hit is None:  # glob matching once per name, not once per call
+            hit = (any(fnmatchcase(name, p) for p in self.patterns),
+                   tuple(fn for p, fn in self.hooks if fnmatchcase(name, p)))
+            self._memo[name] = hit
+        return hit
+
+    def __call__(self, name: str, x_in: torch.Tensor, x_out: torch.Tensor,
+                 keep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Return the output at place `name` after its hooks, caching it when asked for."""
+        want, fns = self._lookup(name)
+        for fn in fns:
+            y = fn(name, x_in, x_out)
+            if y is not None:
+                if not isinstance(y, torch.Tensor) or y.shape != x_out.shape:
+                    raise ValueError(f"hook at {name} returned {getattr(y, 'shape', type(y).__name__)}: "
+                                     f"must be None or a tensor of shape {tuple(x_out.shape)}")
+                x_out = y
+        if want:
+            self.cache[name] = x_out if keep is None else keep(x_out)
+        return x_out
+
+
+@dataclass
+class LoopContext:
+    """What every loop of one pass shares: h0 as injections see it, rotary tables, timestep terms, places."""
+
+    h0: torch.Tensor
+    rope: tuple
+    horizon: int
+    psi: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+    mods: list | None = None
+    places: Places | None = None
+
+
+@dataclass
+class LoopStart:
+    """Where a pass may start instead of at the tokens: h0 and the carried states 0..S of an earlier pass."""
+
+    h0: torch.Tensor
+    carried: list
+
+    def repeat(self, m: int) -> "LoopStart":
+        """Return this start with every tensor repeated m times along the batch."""
+        def rep(x):
+            return None if x is None else x.repeat(m, *([1] * (x.dim() - 1)))
+        return LoopStart(rep(self.h0), [rep(c) for c in self.carried])
+
+
+@dataclass
+class LoopPass:
+    """One pass through prelude and loops: h0, the carried states (None where not kept), the coda features.
+
+    `carried[t]` is the state after loop t as the loop carries it (n streams under hyper-connections);
+    without `keep_states` only those the history window still needs are kept.
+    """
+
+    model: "LoopLM"
+    h0: torch.Tensor
+    carried: list
+    horizon: int
+    places: Places | None
+    features: torch.Tensor | None = None
+
+    @property
+    def state(self) -> torch.Tensor:
+        """Return the final state [B, T, d] (the mean of the streams under hyper-connections)."""
+        return self.model.reduce(self.carried[-1])
+
+    @property
+    def states(self) -> list[torch.Tensor]:
+        """Return the states 0..r [B, T, d] (needs keep_states)."""
+        if any(c is None for c in self.carried):
+            raise ValueError("this pass did not keep its states: run it with keep_states=True")
+        return [self.model.reduce(c) for c in self.carried]
+
+    @property
+    def cache(self) -> dict[str, torch.Tensor]:
+        """Return the named activations kept by this pass."""
+        return {} if self.places is None else self.places.cache
+
+    def start(self, loop: int) -> LoopStart:
+        """Return a LoopStart after `loop` loops of this pass (needs the states it kept)."""
+        if any(c is None for c in self.carried[:loop + 1]):
+            raise ValueError("this pass did not keep its states: run it with keep_states=True")
+        return LoopStart(self.h0, self.carried[:loop + 1])
 
 
 class LoopTrace:
-    """Every loop state of one pass: `states[t]` is the state after loop t (`states[0]` is h0)."""
+    """Every loop state of one pass: `states[t]` is the state after loop t (`states[0]` is h0).
 
-    def __init__(self, model: "LoopLM", states: torch.Tensor, horizon: int):
+    `cache` holds the named activations asked for with `trace(..., cache=[patterns])`; the coda's
+    places (and hooks) act each time `logits(r)` or `features(r)` reads a state out.
+    """
+
+    def __init__(self, model: "LoopLM", states: torch.Tensor, horizon: int, places: Places | None = None):
         self.model = model
         self.states = states  # [r_max + 1, B, T, d]
         self.horizon = horizon  # T used by timestep conditioning (equals r_max unless given)
+        self.places = places
+
+    @property
+    def cache(self) -> dict[str, torch.Tensor]:
+        """Return the named activations kept by this trace."""
+        return {} if self.places is None else self.places.cache
 
     @property
     def max_loops(self) -> int:
@@ -44,10 +181,14 @@ class LoopTrace:
         if not isinstance(r, int) or not 1 <= r <= self.max_loops:
             raise ValueError(f"loops={r!r} is invalid: this trace holds loops 1..{self.max_loops}")
 
+    def features(self, r: int) -> torch.Tensor:
+        """Return the final-normed coda output [B, T, d] for the state after loop r."""
+        self._check(r)
+        return self.model.features(self.states[r], self.places)
+
     def logits(self, r: int) -> torch.Tensor:
         """Return the logits [B, T, V] of coda + head applied to the state after loop r."""
-        self._check(r)
-        return self.model.readout(self.states[r])
+        return F.linear(self.features(r), self.model.head_weight)
 
     def loss(self, r: int, targets: torch.Tensor) -> torch.Tensor:
         """Return the mean next-token cross-entropy at loop r (targets -100 are ignored)."""
@@ -137,14 +278,10 @@ class LoopLM(nn.Module):
         doubled for backward, when `seq_len` is given; `include_head` adds 6 d V for the LM head.
         """
         r, k = self._loops_and_k(loops, backward_loops)
-        pc = self.param_counts()
-        total = 6 * pc["once"] + 2 * pc["rec"] * r + 4 * pc["rec"] * k
-        if seq_len is not None:
-            a = 2 * seq_len * self.cfg.d_model
-            total += 6 * a * (self.cfg.prelude + self.cfg.coda) + (2 * r + 4 * k) * a * self.cfg.core
-        if include_head:
-            total += 6 * self.cfg.d_model * self.cfg.vocab_size
-        return float(total)
+        pc, c = self.param_counts(), self.cfg
+        return float(flops_per_token(pc["once"], pc["rec"], r, k, seq_len=seq_len, d_model=c.d_model,
+                                     layers_once=c.prelude + c.coda, layers_rec=c.core,
+                                     head_params=c.d_model * c.vocab_size if include_head else 0))
 
     # ---- the pass ------------------------------------------------------------------------------
     def _loops_and_k(self, loops, backward_loops) -> tuple[int, int]:
@@ -159,14 +296,25 @@ class LoopLM(nn.Module):
     def _rope(self, like: torch.Tensor):
         return self.rotary(like.shape[1], like.dtype, like.device)
 
-    def embed_prelude(self, tokens: torch.Tensor) -> torch.Tensor:
+    def place_names(self, loops: int) -> list[str]:
+        """Return the names of every block occurrence of a pass with `loops` loops, in call order."""
+        c = self.cfg
+        return ([f"prelude.{i}" for i in range(c.prelude)]
+                + [f"core.{t}.{j}" for t in range(1, loops + 1) for j in range(c.core)]
+                + [f"coda.{i}" for i in range(c.coda)])
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.numel() == 0:
+            raise ValueError(f"tokens must be a non-empty [batch, seq] tensor of token ids, got "
+                             f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+
+    def embed_prelude(self, tokens: torch.Tensor, places: Places | None = None) -> torch.Tensor:
         """Return h0 [B, T, d]: the prelude's output for tokens [B, T]."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        self._check_tokens(tokens)
         x = self.embed(tokens)
         rope = self._rope(x)
-        for blk in self.prelude:
-            x = blk(x, rope)
+        for i, blk in enumerate(self.prelude):
+            x = blk(x, rope) if places is None else places(f"prelude.{i}", x, blk(x, rope))
         return x
 
     @property
@@ -174,35 +322,57 @@ class LoopLM(nn.Module):
         """Return the LM head's weight [V, d] (the embedding when tied)."""
         return self.head.weight if self.head is not None else self.embed.weight
 
-    def features(self, state: torch.Tensor) -> torch.Tensor:
+    def features(self, state: torch.Tensor, places: Places | None = None) -> torch.Tensor:
         """Return the final-normed coda output [B, T, d] for a loop state: what the LM head reads."""
         rope = self._rope(state)
         x = state
-        for blk in self.coda:
-            x = blk(x, rope)
+        for i, blk in enumerate(self.coda):
+            x = blk(x, rope) if places is None else places(f"coda.{i}", x, blk(x, rope))
         return self.norm(x)
 
-    def readout(self, state: torch.Tensor) -> torch.Tensor:
+    def readout(self, state: torch.Tensor, places: Places | None = None) -> torch.Tensor:
         """Return logits [B, T, V]: coda, final norm and head applied to a loop state [B, T, d]."""
-        return F.linear(self.features(state), self.head_weight)
+        return F.linear(self.features(state, places), self.head_weight)
 
-    def step(self, h: torch.Tensor, h0: torch.Tensor, loop: int, rope, past=(), psi=None,
-             gates=None, mods=None) -> torch.Tensor:
-        """Return the state after one core pass from state h (loop is 0-based; past = h_{t-1}, h_{t-2}, ...)."""
+    def context(self, h0: torch.Tensor, horizon: int, places: Places | None = None) -> LoopContext:
+        """Return the LoopContext every loop of a `horizon`-loop pass from h0 [B, T, d] shares."""
+        psi, gates, mods = self.loop_conditioning(horizon, h0)
+        return LoopContext(self.initial_state(h0)[1], self._rope(h0), horizon, psi, gates, mods, places)
+
+    def window(self, carried: Sequence[torch.Tensor], t: int) -> tuple[torch.Tensor, ...]:
+        """Return the history window entering 0-based loop t: (h_{t-1}, ..., h_{t-m}), m = min(w, max(t-1, 0)).
+
+        h0 is never in the window (SPEC §1); `carried[i]` is the state after loop i.
+        """
+        if self.history is None:
+            return ()
+        return tuple(carried[t - j] for j in range(1, min(self.cfg.history, max(t - 1, 0)) + 1))
+
+    def step(self, h: torch.Tensor, t: int, ctx: LoopContext, past: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """Return the carried state after 0-based loop t from state h (past: `window(carried, t)`)."""
         x = h
         if self.history is not None and past:
             x = self.history(x, past)
-        if self.inject is not None and loop >= self._inject_from:
-            x = self.inject(x, h0)
-        layer_mods = mods[loop] if mods is not None else None
+        if self.inject is not None and t >= self._inject_from:
+            x = self.inject(x, ctx.h0)
+        rope, places = ctx.rope, ctx.places
+        layer_mods = ctx.mods[t] if ctx.mods is not None else None
         for j, blk in enumerate(self.core):
             am, mm = layer_mods[j] if layer_mods is not None else (None, None)
+            if places is None:  # the hot path: no names, no hooks
+                if self.hyper is None:
+                    x = blk(x, rope, am, mm)
+                else:
+                    x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm: blk.delta(u, rope, am, mm))
+                continue
+            name = f"core.{t + 1}.{j}"
             if self.hyper is None:
-                x = blk(x, rope, am, mm)
+                x = places(name, x, blk(x, rope, am, mm))
             else:
-                x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm: blk.delta(u, rope, am, mm))
-        if gates is not None:
-            x = h + gates[loop] * (x - h)
+                x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, name=name:
+                                  _hooked_delta(places, name, u, blk.delta(u, rope, am, mm)))
+        if ctx.gates is not None:
+            x = h + ctx.gates[t] * (x - h)
         return x
 
     def reduce(self, h: torch.Tensor) -> torch.Tensor:
@@ -228,63 +398,133 @@ class LoopLM(nn.Module):
             return psi, self.timestep.loop_gates(psi), None
         return psi, None, self.timestep.block_mods(psi)
 
-    def run_loops(self, h0: torch.Tensor, loops: int, horizon: int | None = None,
-                  backward_loops: int | None = None, keep_states: bool = False):
-        """Return (final state, list of states 0..r or None) for `loops` core passes from h0 [B, T, d].
+    def run(self, tokens: torch.Tensor | None = None, loops: int | None = None, *, horizon: int | None = None,
+            backward_loops: int | None = None, keep_states: bool = False, cache=None, hooks=None,
+            coda: bool = False, start: LoopStart | None = None) -> LoopPass:
+        """Return the LoopPass of prelude, `loops` core passes and (with `coda`) the coda: THE loop.
 
-        Under truncation (backward_loops=k < loops) the first r-k loops run without a graph and the
-        state entering loop r-k+1 is detached; h0 itself keeps its graph, so the prelude still gets
+        Every consumer (forward, trace, per-loop losses, probes, decoders) goes through here.
+        `cache` (glob patterns) and `hooks` ({pattern: fn}) name places to keep or hook (see Places).
+        `start` resumes an earlier pass after S loops instead of starting from tokens. Under truncation
+        (backward_loops=k < loops) the first r-k loops run without a graph and the state entering loop
+        r-k+1 (and the history window) is detached; h0 keeps its graph, so the prelude still gets
         gradient wherever an injection feeds h0 into the last k loops.
         """
         r, k = self._loops_and_k(loops, backward_loops)
         T = r if horizon is None else horizon
-        if self.timestep is not None and T < r:
-            raise ValueError(f"horizon={T} is invalid: must be >= loops={r}")
-        rope = self._rope(h0)
-        psi, gates, mods = self.loop_conditioning(T, h0)
-        h, h0 = self.initial_state(h0)
-        past: deque = deque(maxlen=self.cfg.history)
-        states = [self.reduce(h)] if keep_states else None
-        for i in range(r):
-            frozen = i < r - k
-            if i == r - k and r > k:
-                h = h.detach()
-                past = deque((p.detach() for p in past), maxlen=self.cfg.history)
-            with torch.no_grad() if frozen else nullcontext():
-                h_new = self.step(h, h0, i, rope, past, psi, gates, mods)
-            if self.history is not None and i >= 1:  # h0 is not in the window
-                past.appendleft(h)
-            h = h_new
-            if keep_states:
-                states.append(self.reduce(h))
-        return self.reduce(h), states
+        if self.timestep is not None and (isinstance(T, bool) or not isinstance(T, int) or T < r):
+            raise ValueError(f"horizon={T!r} is invalid: must be an integer >= loops={r}")
+        places = Places(cache, hooks) if cache or hooks else None
+        if start is None:
+            h0 = self.embed_prelude(tokens, places)
+            h = self.initial_state(h0)[0]
+            carried = [h if places is None else places("state.0", h, h, self.reduce)]
+        else:
+            if not isinstance(start, LoopStart) or not 1 <= len(start.carried) <= r + 1:
+                raise ValueError(f"start={start!r} is invalid: must be a LoopStart holding 1..{r + 1} states")
+            h0, carried = start.h0, list(start.carried)
+        ctx = self.context(h0, T, places)
+        w = self.cfg.history
+        for t in range(len(carried) - 1, r):
+            if t == r - k and r > k:
+                for i in (t, *range(max(t - w, 1), t)):
+                    carried[i] = carried[i].detach()
+            with torch.no_grad() if t < r - k else nullcontext():
+                h = self.step(carried[t], t, ctx, self.window(carried, t))
+            if places is not None:
+                h = places(f"state.{t + 1}", carried[t], h, self.reduce)
+            carried.append(h)
+            if not keep_states and t - w >= 0:
+                carried[t - w] = None  # no later loop reads it: let it go
+        out = LoopPass(self, h0, carried, T, places)
+        if coda:
+            out.features = self.features(out.state, places)
+        return out
 
     def forward(self, tokens: torch.Tensor, loops: int | None = None, targets: torch.Tensor | None = None,
-                *, horizon: int | None = None, backward_loops: int | None = None,
-                return_logits: bool = True) -> LoopOutput:
-        """Return LoopOutput(logits, loss, state) after `loops` core passes (default: the training K).
+                *, labels: torch.Tensor | None = None, label_weights: torch.Tensor | None = None,
+                horizon: int | None = None, backward_loops: int | None = None, return_logits: bool = True,
+                cache=None, hooks=None) -> LoopOutput:
+        """Return LoopOutput(logits, loss, state, cache) after `loops` core passes (default: the training K).
 
         `horizon` is the T seen by timestep conditioning (default: loops); `backward_loops` truncates
         backprop to the last k loops. With targets and `return_logits=False` (what a trainer wants) the
         loss comes from a chunked head + cross-entropy that never materialises the logits; `.logits`
-        is then None.
+        is then None. With `labels` [B, loops, T] (per-loop supervision) the loss is `per_loop_loss`'s
+        and loops = labels.shape[1]; `label_weights` is None, [loops] or [B, loops].
         """
-        h0 = self.embed_prelude(tokens)
-        state, _ = self.run_loops(h0, loops if loops is not None else self.cfg.loops, horizon, backward_loops)
+        if labels is not None:
+            if targets is not None:
+                raise ValueError("give targets (next-token loss) or labels (per-loop supervision), not both")
+            r = self._check_labels(tokens, labels, loops)
+            p = self.run(tokens, r, horizon=horizon, backward_loops=backward_loops, keep_states=True,
+                         cache=cache, hooks=hooks)
+            return LoopOutput(None, self._per_loop_loss(p, labels, label_weights), p.state, p.cache)
+        p = self.run(tokens, loops, horizon=horizon, backward_loops=backward_loops, cache=cache, hooks=hooks,
+                     coda=True)
         if targets is not None and not return_logits:
-            loss = linear_cross_entropy(self.features(state), self.head_weight, targets)
-            return LoopOutput(None, loss, state)
-        logits = self.readout(state)
+            loss = linear_cross_entropy(p.features, self.head_weight, targets)
+            return LoopOutput(None, loss, p.state, p.cache)
+        logits = F.linear(p.features, self.head_weight)
         loss = lm_loss(logits, targets) if targets is not None else None
-        return LoopOutput(logits, loss, state)
+        return LoopOutput(logits, loss, p.state, p.cache)
 
-    def trace(self, tokens: torch.Tensor, loops: int | None = None, *, horizon: int | None = None) -> LoopTrace:
+    def trace(self, tokens: torch.Tensor, loops: int | None = None, *, horizon: int | None = None,
+              cache=None, hooks=None) -> LoopTrace:
         """Return a LoopTrace holding the states after every loop 0..loops from ONE pass.
 
         For a model with timestep conditioning, every state is that of a run with T = horizon
         (default: loops), i.e. `trace.logits(r)` equals `forward(loops=r, horizon=loops)`.
+        `cache` and `hooks` name places to keep or hook (see Places); `trace.cache[name]` reads them.
         """
-        r = loops if loops is not None else self.cfg.loops
-        h0 = self.embed_prelude(tokens)
-        _, states = self.run_loops(h0, r, horizon, keep_states=True)
-        return LoopTrace(self, torch.stack(states), horizon if horizon is not None else r)
+        p = self.run(tokens, loops, horizon=horizon, keep_states=True, cache=cache, hooks=hooks)
+        return LoopTrace(self, torch.stack(p.states), p.horizon, p.places)
+
+    # ---- per-loop supervision --------------------------------------------------------------------
+    def _check_labels(self, tokens: torch.Tensor, labels: torch.Tensor, loops: int | None) -> int:
+        if (not isinstance(labels, torch.Tensor) or labels.dim() != 3 or labels.shape[0] != tokens.shape[0]
+                or labels.shape[2] != tokens.shape[1]):
+            raise ValueError(f"labels shape {tuple(getattr(labels, 'shape', ()))} is invalid: must be "
+                             f"[batch, loops, seq] = [{tokens.shape[0]}, loops, {tokens.shape[1]}]")
+        r = labels.shape[1]
+        if loops is not None and loops != r:
+            raise ValueError(f"loops={loops!r} is invalid with labels for {r} loops: leave it None or give {r}")
+        return r
+
+    def _per_loop_loss(self, p: LoopPass, labels: torch.Tensor, weights) -> torch.Tensor:
+        B, r = labels.shape[:2]
+        w = torch.ones(r) if weights is None else torch.as_tensor(weights, dtype=torch.float32).cpu()
+        if w.shape not in ((r,), (B, r)):
+            raise ValueError(f"weights shape {tuple(w.shape)} is invalid: must be [{r}] (one per loop) or "
+                             f"[{B}, {r}] (one per example and loop)")
+        pairs = w.dim() == 2
+        states = p.states
+        total, norm = labels.new_zeros((), dtype=torch.float32), 0.0
+        for t in range(1, r + 1):
+            lab = labels[:, t - 1]
+            keep = lab != -100
+            wt = w[:, t - 1] * keep.any(1).cpu() if pairs else w[t - 1]
+            if not (wt != 0).any() or not keep.any():
+                continue
+            # the head only at labelled positions: answers are a few tokens, the vocabulary may be 50k wide
+            logits = F.linear(self.features(states[t], p.places)[keep], self.head_weight)
+            if not pairs:
+                total = total + wt * lm_loss(logits[None], lab[keep][None])
+                norm += float(wt)
+                continue
+            ce = F.cross_entropy(logits.float(), lab[keep], reduction="none")
+            rows = keep.nonzero()[:, 0]
+            per_pair = torch.zeros(B, device=ce.device).index_add(0, rows, ce)
+            count = torch.zeros(B, device=ce.device).index_add(0, rows, torch.ones_like(ce)).clamp(min=1)
+            total = total + (wt.to(ce.device) * per_pair / count).sum()
+            norm += float(wt.sum())
+        if norm == 0:
+            raise ValueError("labels carry no label at any loop with non-zero weight")
+        return total / norm
+
+
+def _hooked_delta(places: Places, name: str, u: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Return a hyper-connected layer's update after the hooks at `name` saw its output u + delta."""
+    out = u + delta
+    y = places(name, u, out)
+    return delta if y is out else y - u

@@ -1,4 +1,4 @@
-"""Shared pieces of the probes: input checks, provenance, block-occurrence hooks, per-token metrics."""
+"""Shared pieces of the probes: input checks, provenance, block-occurrence names, per-token metrics."""
 
 from __future__ import annotations
 
@@ -147,60 +147,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 # ---- block occurrences of a LoopLM ----------------------------------------------------------------
 def occurrences(model: LoopLM, loops: int) -> list[tuple[str, str, int, int]]:
-    """Return (name, stage, loop, layer) for every block occurrence in call order.
+    """Return (name, stage, loop, layer) for every block occurrence in call order (names: `LoopLM.place_names`).
 
-    Names are "prelude.i", "core.{loop}.{layer}" (loop 1-based) and "coda.i"; `loop` is 0 for the
-    prelude and loops + 1 for the coda.
+    `loop` is 0 for the prelude and loops + 1 for the coda.
     """
-    c = model.cfg
-    out = [(f"prelude.{i}", "prelude", 0, i) for i in range(c.prelude)]
-    out += [(f"core.{t}.{j}", "core", t, j) for t in range(1, loops + 1) for j in range(c.core)]
-    out += [(f"coda.{i}", "coda", loops + 1, i) for i in range(c.coda)]
+    out = []
+    for name in model.place_names(loops):
+        parts = name.split(".")
+        if parts[0] == "core":
+            out.append((name, "core", int(parts[1]), int(parts[2])))
+        else:
+            out.append((name, parts[0], 0 if parts[0] == "prelude" else loops + 1, int(parts[1])))
     return out
-
-
-class BlockHooks:
-    """Calls fn(j, x_in, x_out, delta) at every block occurrence of a LoopLM, counting j in call order.
-
-    Plain blocks are seen through forward hooks on `Block`; hyper-connected core layers call
-    `Block.delta` (no forward hook fires), so a forward pre-hook on each `HyperConnection` wraps its
-    update callable instead; there x_in is the layer's input A_m^T H and x_out = x_in + delta, i.e.
-    Block(x_in). If fn returns a boolean row mask [N], those batch rows skip the occurrence (output
-    := input; for a hyper-connected layer, delta := 0). Set `.j` to start counting elsewhere.
-    """
-
-    def __init__(self, model: LoopLM, fn):
-        self.model, self.fn, self.j, self._handles = model, fn, 0, []
-
-    def __enter__(self) -> "BlockHooks":
-        m = self.model
-        for blk in [*m.prelude, *m.core, *m.coda]:
-            self._handles.append(blk.register_forward_hook(self._block))
-        if m.hyper is not None:
-            for hc in m.hyper:
-                self._handles.append(hc.register_forward_pre_hook(self._hyper))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _block(self, module, args, out):
-        x = args[0]
-        j, self.j = self.j, self.j + 1
-        mask = self.fn(j, x, out, out - x)
-        if mask is None:
-            return None
-        return torch.where(mask.view(-1, *([1] * (out.dim() - 1))), x, out)
-
-    def _hyper(self, module, args):
-        H, update = args
-
-        def wrapped(u):
-            d = update(u)
-            j, self.j = self.j, self.j + 1
-            mask = self.fn(j, u, u + d, d)
-            return d if mask is None else d.masked_fill(mask.view(-1, *([1] * (d.dim() - 1))), 0)
-
-        return (H, wrapped)

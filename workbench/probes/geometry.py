@@ -7,7 +7,7 @@ import torch
 import xarray as xr
 
 from ..models.looped import LoopLM
-from ._common import (BlockHooks, angular_distance, attrs, check_horizon, check_int, check_model, check_tokens,
+from ._common import (angular_distance, attrs, check_horizon, check_int, check_model, check_tokens,
                       occurrences, relative_update, trace_states, training_loops)
 
 
@@ -27,10 +27,10 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
     One trace gives everything. It runs to max(r, K) loops so that x(K) is at hand when r < K, and
     the block occurrences beyond loop r are not reported. A horizon-dependent model (timestep
     conditioning) is traced to r with T = `horizon` (default r), and its reference V(x(K)) comes from
-    a second pass at its training setting (r = T = K). Block-level metrics come from forward hooks
-    on every `Block` (and pre-hooks on every `HyperConnection`, whose layers call `Block.delta`), so
-    they are exact for every LoopLM variant; a hyper-connected layer's input is A_m^T H, its output
-    Block(A_m^T H). A generic `Loopable` gets the loop-level variables only.
+    a second pass at its training setting (r = T = K). Block-level metrics come from a reading hook
+    at every named block occurrence of the one pass, so they are exact for every LoopLM variant; a
+    hyper-connected layer's input is A_m^T H, its output Block(A_m^T H). A generic `Loopable` gets the
+    loop-level variables only.
     """
     check_model(model)
     tokens = check_tokens(tokens, model)
@@ -43,21 +43,17 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
     occ = occurrences(model, r) if isinstance(model, LoopLM) else []
     with torch.no_grad():
         if isinstance(model, LoopLM):
-            c = model.cfg
-            last_core = c.prelude + r * c.core
+            index = {name: j for j, name in enumerate(o[0] for o in occ)}
 
-            def record(j, x_in, x_out, delta):
-                if j < last_core or j >= c.prelude + R * c.core:  # skip core occurrences beyond loop r
-                    jj = j if j < last_core else j - (R - r) * c.core
-                    block[jj] = (float(angular_distance(x_in, x_out).mean()),
-                                 float((delta.float().norm(dim=-1)
-                                        / x_in.float().norm(dim=-1).clamp_min(1e-12)).mean()))
-                return None
+            def record(name, x_in, x_out):
+                j = index.get(name)  # None for core occurrences beyond loop r
+                if j is not None:
+                    block[j] = (float(angular_distance(x_in, x_out).mean()),
+                                float(relative_update(x_in, x_out).mean()))
 
-            with BlockHooks(model, record) as hooks:
-                states, _ = trace_states(model, tokens, R, T)
-                hooks.j = c.prelude + R * c.core
-                model.features(states[r])
+            tr = model.trace(tokens, R, horizon=T, hooks=dict.fromkeys(("prelude.*", "core.*", "coda.*"), record))
+            states = tr.states
+            tr.features(r)  # the coda's occurrences read the state after loop r
             if dependent:
                 ref = states[K] if r == K and T == K else trace_states(model, tokens, K, K)[0][K]
             else:

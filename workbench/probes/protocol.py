@@ -31,7 +31,6 @@ does). `interaction` needs named block occurrences and so takes a `LoopLM` only.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,11 +85,12 @@ class Loopable:
 
 
 def as_loopable(model: LoopLM | Loopable, horizon: int | None = None) -> Loopable:
-    """Return a Loopable whose one pass reproduces `model.run_loops` exactly (a Loopable is returned as is).
+    """Return a Loopable whose one pass reproduces `model.run` exactly (a Loopable is returned as is).
 
     `horizon` is the T that timestep conditioning sees (default: the training loop count); the
-    step raises if asked for a loop at or beyond it. History injection is kept inside the step's
-    closure: its window is reset whenever loop 0 runs, so passes must not be interleaved.
+    step raises if asked for a loop at or beyond it. The step is the model's own `LoopLM.step` with
+    its history window (`LoopLM.window`) over the states this adapter has seen since loop 0, so
+    passes must not be interleaved.
     """
     if isinstance(model, Loopable):
         return model
@@ -100,21 +100,17 @@ def as_loopable(model: LoopLM | Loopable, horizon: int | None = None) -> Loopabl
     T = cfg.loops if horizon is None else horizon
     if isinstance(T, bool) or not isinstance(T, int) or T < 1:
         raise ValueError(f"horizon={horizon!r} is invalid: must be an integer >= 1")
-    past: deque = deque(maxlen=cfg.history)
+    seen: list[torch.Tensor] = []
 
     def step(h: torch.Tensor, h0: torch.Tensor, t: int) -> torch.Tensor:
-        if t == 0:
-            past.clear()
         if model.timestep is not None and t >= T:
             raise ValueError(f"loop {t + 1} is beyond horizon={T} of this adapter; "
                              f"use as_loopable(model, horizon=...) with horizon >= loops")
-        # computed inside the step so that per-loop copies of the weights act (lost_gradient)
-        psi, gates, mods = model.loop_conditioning(T, h)
-        rope = model.rotary(h.shape[1], h.dtype, h.device)
-        out = model.step(h, model.initial_state(h0)[1], t, rope, tuple(past), psi, gates, mods)
-        if model.history is not None and t >= 1:  # h0 is not in the window (as in run_loops)
-            past.appendleft(h)
-        return out
+        if t == 0:
+            seen.clear()
+        seen.append(h)
+        # the context is built inside the step so that per-loop copies of the weights act (lost_gradient)
+        return model.step(h, t, model.context(h0, T), model.window(seen, t))
 
     shared = nn.ModuleDict({name: m for name, m in (("core", model.core), ("inject", model.inject),
                                                       ("history", model.history), ("timestep", model.timestep),
