@@ -6,6 +6,7 @@ here, so the viz room never trains or loads runs.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -30,12 +31,19 @@ def find_quickstart_checkpoint(runs_dir: str | os.PathLike = "runs") -> Path | N
     """Return the run folder of the newest finished quickstart train run under runs_dir that holds a model, or None.
 
     The quickstart pipeline records each run in `<runs_dir>/quickstart/train/<key>/run.json`
-    ({"status": "done"}); "newest" is by the record's finish time. A run whose folder holds no
-    checkpoint `io.open_run` can find is skipped.
+    ({"status": "done", "finished": ISO time}); "newest" is by that finish time. A run whose folder
+    holds no checkpoint `io.open_run` can find is skipped, and so is an unreadable record.
     """
-    from ..pipeline import find_runs
-
-    for d in reversed(find_runs("quickstart", "train", runs_dir)):
+    done = []
+    # read here rather than through pipeline.find_runs: experiments sits below pipeline (DESIGN's rooms)
+    for d in (Path(runs_dir) / "quickstart" / "train").glob("*"):
+        try:
+            rec = json.loads((d / "run.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("status") == "done":
+            done.append((str(rec.get("finished", "")), d))
+    for _, d in sorted(done, reverse=True):
         try:
             find_run(d)
         except FileNotFoundError:
