@@ -285,3 +285,23 @@ def read_run_config(path: str | os.PathLike) -> dict:
     return {"model": json.loads(state["model_config"]),
             "train": json.loads(state["train_config"]) if "train_config" in state else {},
             "data": json.loads(exp.read_text()) if exp.is_file() else {}}
+
+
+# ---- pipeline run records: read by the pipeline and by whoever looks for its runs ----------------------
+def read_record(run_dir: str | os.PathLike) -> dict | None:
+    """Return the run.json record of a finished run folder, or None if there is none."""
+    p = Path(run_dir) / "run.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_runs(pipeline: str, step: str, runs_dir: str | os.PathLike = "runs", state: str = "done") -> list[Path]:
+    """Return the folders of a pipeline step's runs in the given state, oldest first (by finish time)."""
+    recs = []
+    for d in (Path(runs_dir) / pipeline / step).glob("*"):
+        rec = read_record(d)
+        if rec is not None and rec.get("status") == state:
+            recs.append((rec.get("finished", ""), d))
+    return [d for _, d in sorted(recs)]

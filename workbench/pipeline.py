@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_write_bytes
+from .io import atomic_write_bytes, find_runs, read_record  # noqa: F401 (find_runs: public here too)
 
 LIBRARY = Path(__file__).resolve().parent  # the `workbench` package whose source enters every run key
 REPO = LIBRARY.parent
@@ -385,15 +385,6 @@ def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
 
 
 # ---- executing one run ------------------------------------------------------------------------------------
-def read_record(run_dir: str | os.PathLike) -> dict | None:
-    """Return the run.json record of a finished run folder, or None if there is none."""
-    p = Path(run_dir) / "run.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -675,16 +666,6 @@ def clean(spec: str | os.PathLike, runs_dir: str | os.PathLike = "runs", failed_
             shutil.rmtree(d)
             removed.append(d)
     return removed
-
-
-def find_runs(pipeline: str, step: str, runs_dir: str | os.PathLike = "runs", state: str = "done") -> list[Path]:
-    """Return the folders of a pipeline step's runs in the given state, oldest first (by finish time)."""
-    recs = []
-    for d in (Path(runs_dir) / pipeline / step).glob("*"):
-        rec = read_record(d)
-        if rec is not None and rec.get("status") == state:
-            recs.append((rec.get("finished", ""), d))
-    return [d for _, d in sorted(recs)]
 
 
 # ---- the report ----------------------------------------------------------------------------------------------

@@ -6,14 +6,13 @@ here, so the viz room never trains or loads runs.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from ..config import check_int
 from ..data.corpus import ByteTokenizer
-from ..io import find_run, open_run
+from ..io import find_run, find_runs, open_run
 from ..models.looped import LoopLM
-from ..probes._common import check_int
 from .runs import demo_trainer
 
 
@@ -23,7 +22,7 @@ def tiny_model(steps: int = 120, seed: int = 0, progress: bool = True) -> tuple[
     About 0.4 s a step on two CPU cores, so the default 120 steps take under a minute; it already
     predicts common bytes of Python source and shows the loop-count behaviour the explorer is for.
     """
-    trainer = demo_trainer(check_int(steps, "steps"), seed, progress)  # the same model `workbench demo` trains
+    trainer = demo_trainer(check_int("steps", steps, 1), seed, progress)  # the same model `workbench demo` trains
     return trainer.model.eval(), ByteTokenizer()
 
 
@@ -34,16 +33,7 @@ def find_quickstart_checkpoint(runs_dir: str | os.PathLike = "runs") -> Path | N
     ({"status": "done", "finished": ISO time}); "newest" is by that finish time. A run whose folder
     holds no checkpoint `io.open_run` can find is skipped, and so is an unreadable record.
     """
-    done = []
-    # read here rather than through pipeline.find_runs: experiments sits below pipeline (DESIGN's rooms)
-    for d in (Path(runs_dir) / "quickstart" / "train").glob("*"):
-        try:
-            rec = json.loads((d / "run.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("status") == "done":
-            done.append((str(rec.get("finished", "")), d))
-    for _, d in sorted(done, reverse=True):
+    for d in reversed(find_runs("quickstart", "train", runs_dir)):
         try:
             find_run(d)
         except FileNotFoundError:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import LoopConfig
+from ..config import LoopConfig, check_int
 from .conditioning import (HistoryInjection, InitialInjection, ReentryBridge, TimestepConditioning,
                            timestep_features)
 from .flops import flops_per_token
@@ -285,12 +285,9 @@ class LoopLM(nn.Module):
 
     # ---- the pass ------------------------------------------------------------------------------
     def _loops_and_k(self, loops, backward_loops) -> tuple[int, int]:
-        r = self.cfg.loops if loops is None else loops
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError(f"loops={r!r} is invalid: must be an integer >= 1")
-        k = r if backward_loops is None else backward_loops
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= r:
-            raise ValueError(f"backward_loops={k!r} is invalid: must be an integer in 1..loops={r}")
+        r = check_int("loops", self.cfg.loops if loops is None else loops, 1)
+        k = check_int("backward_loops", r if backward_loops is None else backward_loops, 1, r,
+                      allowed=f"must be an integer in 1..loops={r}")
         return r, k
 
     def _rope(self, like: torch.Tensor):

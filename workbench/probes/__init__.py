@@ -4,9 +4,13 @@
 - `interaction`: computational interaction C(i -> j) between block occurrences (LoopLM only);
 - `lost_gradient`: what truncated BPTT throws away, for every k from one backward pass;
 - `lens`: per-loop next-token loss, accuracy, entropy and KL to the final loop;
-- `halting`: adaptive exit at inference, its compute saved and loss paid.
+- `halting`: adaptive exit at inference, its compute saved and loss paid;
+- `loop_view`: one prompt's top-k, lens loss, KL to the previous loop, drift and PCA path per loop
+  (what the explorer and the tour draw; LoopLM only).
 
 `model` is a `LoopLM` or any looped model wrapped in a `Loopable` (see `workbench.probes.protocol`).
+A LoopLM is probed through its one pass (`LoopLM.run`): block occurrences are read or replaced by
+hooks at their names (`prelude.i`, `core.t.j`, `coda.i`, `state.t`), never by re-driving the blocks.
 Datasets carry flat provenance attrs (config_json, git_commit, workbench_version, seed, created).
 """
 

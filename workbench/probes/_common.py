@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..config import check_int  # noqa: F401 (the probes' one integer check)
 from ..io import provenance
 from ..models.looped import LoopLM
 from .protocol import Loopable, as_loopable
@@ -20,21 +20,6 @@ def check_model(model) -> None:
     """Raise TypeError unless model is a LoopLM or a Loopable."""
     if not isinstance(model, (LoopLM, Loopable)):
         raise TypeError(f"model must be a LoopLM or a Loopable, got {type(model).__name__}")
-
-
-def check_int(value, name: str, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:
-    """Return value as an int, raising ValueError naming the field unless minimum <= value <= maximum."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}") from None
-    if v < minimum:
-        raise ValueError(f"{name}={v} is invalid: must be an integer >= {minimum}")
-    if maximum is not None and v > maximum:
-        raise ValueError(f"{name}={v} is invalid: must be <= {maximum}{what}")
-    return v
 
 
 def training_loops(model) -> int:
@@ -87,7 +72,7 @@ def check_horizon(model, loops: int, horizon) -> int:
     """Return the horizon T for timestep conditioning (default: loops), which must be >= loops."""
     if horizon is None:
         return loops
-    return check_int(horizon, "horizon", minimum=loops)
+    return check_int("horizon", horizon, loops)
 
 
 def attrs(model, probe: str, **extra) -> dict[str, str | int | float]:

@@ -35,7 +35,7 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
     check_model(model)
     tokens = check_tokens(tokens, model)
     K = training_loops(model)
-    r = check_int(K if loops is None else loops, "loops")
+    r = check_int("loops", K if loops is None else loops, 1)
     dependent = isinstance(model, LoopLM) and model.horizon_dependent
     T = check_horizon(model, r, horizon) if dependent else None
     R = r if dependent else max(r, K)

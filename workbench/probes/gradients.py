@@ -46,7 +46,7 @@ class LoopGradients:
 
     def truncated(self, k: int) -> dict[str, torch.Tensor]:
         """Return G_k = sum_{t > r-k} g_t for every loop-shared weight (k = r gives the full gradient g)."""
-        k = check_int(k, "k", maximum=self.loops, what=f" (loops={self.loops})")
+        k = check_int("k", k, 1, self.loops, allowed=f"must be an integer in 1..loops={self.loops}")
         return {n: g[self.loops - k:].sum(0) for n, g in self.per_loop.items()}
 
     def full(self) -> dict[str, torch.Tensor]:
@@ -71,7 +71,7 @@ def loop_gradients(model, tokens: torch.Tensor, targets: torch.Tensor, loops: in
     check_model(model)
     tokens = check_tokens(tokens, model)
     targets = check_targets(targets, tokens, model)
-    r = check_int(training_loops(model) if loops is None else loops, "loops")
+    r = check_int("loops", training_loops(model) if loops is None else loops, 1)
     T = check_horizon(model, r, horizon) if isinstance(model, LoopLM) else None
     lp = as_loopable(model, horizon=T)
     if lp.core is None:

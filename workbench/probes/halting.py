@@ -38,8 +38,8 @@ def halting(model, tokens: torch.Tensor, targets: torch.Tensor, loops: int | Non
     check_model(model)
     tokens = check_tokens(tokens, model)
     targets = check_targets(targets, tokens, model)
-    r = check_int(training_loops(model) if loops is None else loops, "loops")
-    m0 = check_int(min_loops, "min_loops", minimum=1, maximum=r, what=f" (loops={r})")
+    r = check_int("loops", training_loops(model) if loops is None else loops, 1)
+    m0 = check_int("min_loops", min_loops, 1, r, allowed=f"must be an integer in 1..loops={r}")
     if criterion not in CRITERIA:
         raise ValueError(f"criterion={criterion!r} is invalid: must be one of {', '.join(CRITERIA)}")
     scalar = np.ndim(threshold) == 0

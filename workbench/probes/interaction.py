@@ -31,10 +31,10 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
         raise TypeError(f"interaction needs a LoopLM (named block occurrences), got {type(model).__name__}")
     tokens = check_tokens(tokens, model)
     cfg = model.cfg
-    r = check_int(cfg.loops if loops is None else loops, "loops")
+    r = check_int("loops", cfg.loops if loops is None else loops, 1)
     T = check_horizon(model, r, horizon)
     B, L = tokens.shape
-    chunk = check_int(max(1, 32768 // (B * L)) if chunk is None else chunk, "chunk")
+    chunk = check_int("chunk", max(1, 32768 // (B * L)) if chunk is None else chunk, 1)
     occ = occurrences(model, r)
     names = [o[0] for o in occ]
     index = {name: j for j, name in enumerate(names)}

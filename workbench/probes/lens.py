@@ -40,7 +40,7 @@ def lens(model, tokens: torch.Tensor, targets: torch.Tensor, loops: int | None =
     check_model(model)
     tokens = check_tokens(tokens, model)
     targets = check_targets(targets, tokens, model)
-    r = check_int(training_loops(model) if loops is None else loops, "loops")
+    r = check_int("loops", training_loops(model) if loops is None else loops, 1)
     mask = targets != -100
     with torch.no_grad():
         states, readout, T = states_for(model, tokens, r, horizon, trace)

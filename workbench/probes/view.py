@@ -93,10 +93,10 @@ def loop_view(model: LoopLM, tokens, loops: int | None = None, *, targets=None, 
     if not isinstance(model, LoopLM):
         raise TypeError(f"model must be a LoopLM, got {type(model).__name__}")
     ids = check_tokens(_prompt(tokens, "tokens"), model)
-    R = check_int(training_loops(model) if loops is None else loops, "loops")
+    R = check_int("loops", training_loops(model) if loops is None else loops, 1)
     T_h = check_horizon(model, R, horizon)
-    k = min(check_int(top_k, "top_k"), model.cfg.vocab_size)
-    dims = check_int(dims, "dims", minimum=2, maximum=3)
+    k = min(check_int("top_k", top_k, 1), model.cfg.vocab_size)
+    dims = check_int("dims", dims, 2, 3)
     if targets is None:
         targets = torch.full_like(ids, -100)
         targets[:, :-1] = ids[:, 1:]

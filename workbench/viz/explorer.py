@@ -30,7 +30,7 @@ import torch
 from ..data.corpus import ByteTokenizer
 from ..io import open_run
 from ..models.looped import LoopLM
-from ..probes._common import check_int
+from ..config import check_int
 from ..probes.view import loop_view
 
 DEFAULT_TEXT = ('def greet(name):\n    """Return a greeting for name."""\n'
@@ -102,9 +102,9 @@ class LoopExplorer:
         import ipywidgets as W
 
         if max_loops is not None:
-            max_loops = check_int(max_loops, "max_loops")
-        self.top_k = check_int(top_k, "top_k")
-        self.dims = check_int(dims, "dims", minimum=2, maximum=3)
+            max_loops = check_int("max_loops", max_loops, 1)
+        self.top_k = check_int("top_k", top_k, 1)
+        self.dims = check_int("dims", dims, 2, 3)
         self.device = torch.device(device) if device is not None else default_device()
         self._max_loops_arg = max_loops
         self.model: LoopLM | None = None
@@ -254,7 +254,7 @@ class LoopExplorer:
 
     def set_loop(self, r: int) -> None:
         """Show loop r (1..max_loops) in every figure by re-slicing the cached view; never runs the model."""
-        r = check_int(r, "loop", 1, self.max_loops)
+        r = check_int("loop", r, 1, self.max_loops)
         self.loop = r
         if self.slider.value != r and not self._syncing:
             self._syncing = True
@@ -267,7 +267,7 @@ class LoopExplorer:
     def set_token(self, i: int) -> None:
         """Follow position i of the prompt (0-based) in the predictions, trajectory and heatmap."""
         T = self.view.sizes["token"] if self.view is not None else 1
-        i = check_int(i, "token", 0, T - 1)
+        i = check_int("token", i, 0, T - 1)
         self.token = i
         if self.token_select.value != i and not self._syncing:
             self._syncing = True
