@@ -206,7 +206,9 @@ class LoopConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LoopConfig":
-        """Return the config described by a dict, rejecting unknown keys by name."""
+        """Return the config described by a dict, rejecting a non-mapping and unknown keys by name."""
+        if not isinstance(data, dict):
+            fail("LoopConfig", data, "must be a mapping of LoopConfig fields (a JSON object)")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

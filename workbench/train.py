@@ -33,7 +33,7 @@ import torch
 import xarray as xr
 from safetensors.torch import load_file
 
-from .config import LoopConfig
+from .config import LoopConfig, check_bool, check_choice, check_float, check_int, fail
 from .io import provenance, save_netcdf
 from .models.looped import LoopLM
 
@@ -69,7 +69,8 @@ class TrainConfig:
     eval_every: int = 0
     eval_loops: tuple[int, ...] | None = None  # default: below, at and beyond K
     eval_batches: int = 4
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # also checkpoint every this many steps (0: by time only)
+    checkpoint_seconds: float = 300.0  # checkpoint when this long has passed since the last one (0: off)
     keep_checkpoints: int = 1
     seed: int = 0
     device: str | None = None
@@ -78,53 +79,78 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        def bad(name, allowed):
-            raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+        # every field is checked here, types first (bools are bools, numbers finite), before any training
+        def f(name: str) -> str:
+            return f"TrainConfig.{name}"
+
         for name in ("batch_size", "seq_len", "loop_min", "eval_batches", "keep_checkpoints"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                bad(name, "must be an integer >= 1")
+            check_int(f(name), getattr(self, name), 1)
         for name in ("steps", "tokens", "loops", "loop_max", "backward_loops"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                bad(name, "must be None or an integer >= 1")
+            if getattr(self, name) is not None:
+                check_int(f(name), getattr(self, name), 1, allowed="must be None or an integer >= 1")
         for name in ("warmup", "eval_every", "checkpoint_every", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                bad(name, "must be an integer >= 0")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"must be one of {', '.join(SCHEDULES)}")
-        if self.loop_sampler not in LOOP_SAMPLERS:
-            bad("loop_sampler", f"must be one of {', '.join(LOOP_SAMPLERS)}")
-        if sum(x is not None and x is not False for x in (self.steps, self.tokens, self.flops, self.chinchilla or None)) != 1:
+            check_int(f(name), getattr(self, name), 0)
+        for name in ("chinchilla", "muon", "compile", "progress"):
+            check_bool(f(name), getattr(self, name))
+        if self.bf16 is not None:
+            check_bool(f("bf16"), self.bf16)
+        if self.device is not None:
+            if not isinstance(self.device, str):
+                fail(f("device"), self.device, "must be None or a torch device name such as 'cpu' or 'cuda:0'")
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                fail(f("device"), self.device, "must be None or a torch device name such as 'cpu' or 'cuda:0'")
+        check_choice(f("schedule"), self.schedule, SCHEDULES)
+        check_choice(f("loop_sampler"), self.loop_sampler, LOOP_SAMPLERS)
+        if self.flops is not None:
+            check_float(f("flops"), self.flops, 0, lo_open=True, allowed="must be None or a finite number > 0")
+        check_float(f("lr"), self.lr, 0, lo_open=True)
+        check_float(f("min_lr_ratio"), self.min_lr_ratio, 0, 1)
+        check_float(f("decay_frac"), self.decay_frac, 0, 1, lo_open=True)
+        check_float(f("loop_sigma"), self.loop_sigma, 0, lo_open=True)
+        check_float(f("weight_decay"), self.weight_decay, 0)
+        check_float(f("grad_clip"), self.grad_clip, 0, allowed="must be a finite number >= 0 (0: no clipping)")
+        check_float(f("checkpoint_seconds"), self.checkpoint_seconds, 0,
+                    allowed="must be a finite number >= 0 (0: no checkpoints by time)")
+        if self.eval_loops is not None:
+            if isinstance(self.eval_loops, (str, bytes)) or not isinstance(self.eval_loops, (list, tuple)) \
+                    or not self.eval_loops:
+                fail(f("eval_loops"), self.eval_loops, "must be None or a non-empty list of integers >= 1")
+            for i, r in enumerate(self.eval_loops):
+                check_int(f(f"eval_loops[{i}]"), r, 1, allowed="must be an integer >= 1 (a loop count)")
+            object.__setattr__(self, "eval_loops", tuple(int(r) for r in self.eval_loops))  # JSON gives a list
+        budgets = {"steps": self.steps, "tokens": self.tokens, "flops": self.flops,
+                   "chinchilla": self.chinchilla or None}
+        if sum(v is not None for v in budgets.values()) != 1:
             raise ValueError("TrainConfig needs exactly one budget: steps, tokens, flops or chinchilla=True "
                              f"(got steps={self.steps}, tokens={self.tokens}, flops={self.flops}, "
                              f"chinchilla={self.chinchilla})")
-        if self.flops is not None and not self.flops > 0:
-            bad("flops", "must be > 0")
-        if not self.lr > 0:
-            bad("lr", "must be > 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            bad("min_lr_ratio", "must be in [0, 1]")
-        if not 0 < self.decay_frac <= 1:
-            bad("decay_frac", "must be in (0, 1]")
         if self.loop_max is not None and self.loop_max < self.loop_min:
-            bad("loop_max", f"must be >= loop_min={self.loop_min}")
+            fail(f("loop_max"), self.loop_max, f"must be >= loop_min={self.loop_min}")
         if self.loop_sampler == "fixed" and self.loops is not None and self.backward_loops is not None \
                 and self.backward_loops > self.loops:
-            bad("backward_loops", f"must be <= loops={self.loops} (k <= r)")
+            fail(f("backward_loops"), self.backward_loops, f"must be <= loops={self.loops} (k <= r)")
 
     def to_json(self) -> str:
         """Return the config as a JSON string."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """Return the config described by a dict, rejecting a non-mapping and unknown keys by name."""
+        if not isinstance(data, dict):
+            fail("TrainConfig", data, "must be a mapping of TrainConfig fields (a JSON object)")
+        known = {fl.name for fl in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
         """Return the config encoded by `to_json`."""
-        d = json.loads(text)
-        if d.get("eval_loops") is not None:
-            d["eval_loops"] = tuple(d["eval_loops"])
-        return cls(**d)
+        return cls.from_dict(json.loads(text))
 
 
 # ---- pieces a trainer is made of (each usable on its own) -------------------------------------------

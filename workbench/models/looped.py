@@ -300,10 +300,23 @@ class LoopLM(nn.Module):
                 + [f"core.{t}.{j}" for t in range(1, loops + 1) for j in range(c.core)]
                 + [f"coda.{i}" for i in range(c.coda)])
 
-    def _check_tokens(self, tokens: torch.Tensor) -> None:
+    def _check_tokens(self, tokens: torch.Tensor, name: str = "tokens", ignore: int | None = None) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.numel() == 0:
-            raise ValueError(f"tokens must be a non-empty [batch, seq] tensor of token ids, got "
+            raise ValueError(f"{name} must be a non-empty [batch, seq] tensor of token ids, got "
                              f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(f"{name} dtype={tokens.dtype} is invalid: token ids must be an integer tensor (torch.long)")
+        if torch.compiler.is_compiling():
+            return  # a data-dependent check would break the compiled graph; eager calls checked the ids
+        # one reduction and one sync: an id outside the vocabulary otherwise fails deep inside an embedding
+        ids = tokens if ignore is None else tokens[tokens != ignore]
+        if ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            V = self.cfg.vocab_size
+            if lo < 0 or hi >= V:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary: ids must be in 0..{V - 1} "
+                                 f"(vocab_size={V})" + (f"; {ignore} marks ignored positions" if ignore is not None else ""))
 
     def embed_prelude(self, tokens: torch.Tensor, places: Places | None = None) -> torch.Tensor:
         """Return h0 [B, T, d]: the prelude's output for tokens [B, T]."""
@@ -459,6 +472,8 @@ class LoopLM(nn.Module):
             return LoopOutput(None, self._per_loop_loss(p, labels, label_weights), p.state, p.cache)
         p = self.run(tokens, loops, horizon=horizon, backward_loops=backward_loops, cache=cache, hooks=hooks,
                      coda=True)
+        if targets is not None:
+            self._check_tokens(targets, "targets", ignore=-100)
         if targets is not None and not return_logits:
             loss = linear_cross_entropy(p.features, self.head_weight, targets)
             return LoopOutput(None, loss, p.state, p.cache)
