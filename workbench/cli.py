@@ -31,33 +31,89 @@ def demo(steps: int = 200, seed: int = 0, max_loops: int = 8, progress: bool = T
     return losses
 
 
+def _json_file(flag: str, path: str | None, what: str) -> dict:
+    """Return the JSON object in the file a flag names ({} without one); ValueError naming flag and file otherwise."""
+    import json
+    from pathlib import Path
+
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{flag}={path!r} is invalid: no such file (give a JSON file of {what} fields)")
+    try:
+        data = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}={path!r} is invalid: the file is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag}={path!r} is invalid: the file must hold a JSON object of {what} fields, "
+                         f"got {type(data).__name__} {json.dumps(data)[:80]}")
+    return data
+
+
 def train(args: argparse.Namespace) -> int:
     """Return 0 after training a LoopLM on a corpus into the run folder --out (the layout of `workbench.io`).
 
     The run goes through `experiments.train_run`, the same code as the train notebook and the pipeline,
-    so `load_run`, the sweep notebooks and the explorer open it.
+    so `load_run`, the sweep notebooks and the explorer open it. Every flag and config field is checked
+    before anything is written; an existing run folder is refused unless --resume or --overwrite.
     """
-    import json
     from pathlib import Path
 
+    from .config import check_int, fail
     from .experiments import train_run
+    from .io import holds_run
 
+    if not args.out.strip():
+        fail("--out", args.out, "must name a run folder")
     out = Path(args.out)
-    model_fields = json.loads(Path(args.config).read_text()) if args.config else {}
-    train_fields = json.loads(Path(args.train_config).read_text()) if args.train_config else {}
-    for key in ("steps", "seed"):
-        if getattr(args, key) is not None:
-            train_fields[key] = getattr(args, key)
-    if not any(train_fields.get(k) for k in ("steps", "tokens", "flops", "chinchilla")):
-        train_fields["steps"] = 200
+    model_fields = _json_file("--config", args.config, "LoopConfig")
+    train_fields = _json_file("--train-config", args.train_config, "TrainConfig")
+    if args.steps is not None:
+        train_fields["steps"] = check_int("--steps", args.steps, 1)
+    if args.seed is not None:
+        train_fields["seed"] = check_int("--seed", args.seed, 0)
+    if args.resume and args.overwrite:
+        fail("--overwrite", True, "cannot be combined with --resume: continue the run or replace it, not both")
+    if not args.resume and not args.overwrite and holds_run(out):
+        fail("--out", args.out, "already holds a run (config.json, tokenizer.json or checkpoints): add --resume to "
+             "continue it or --overwrite to replace it; nothing was changed")
+    if all(train_fields.get(k) in (None, False) for k in ("steps", "tokens", "flops", "chinchilla")):
+        train_fields["steps"] = 200  # no budget given at all (a 0 is given, and TrainConfig rejects it)
     train_fields.setdefault("progress", not args.no_progress)
     train_fields.setdefault("eval_every", 50)
     run, ds = train_run(out, model_fields, train_fields, corpus=args.corpus, vocab_size=args.vocab_size,
-                        seed=train_fields.get("seed", 0), progress=not args.no_progress, resume=args.resume)
+                        seed=train_fields.get("seed", 0), progress=not args.no_progress, resume=args.resume,
+                        overwrite=args.overwrite)
     print(f"trained {run.model.cfg.notation} for {ds.sizes['step']} steps; final loss "
           f"{float(ds.train_loss[-1]):.3f}; run folder {out} (config.json, tokenizer.json, checkpoints, "
           "metrics.nc, results.nc)")
     return 0
+
+
+def _train_cmd(args: argparse.Namespace) -> int:
+    """Return the exit status of `workbench train`: one line per error (a traceback only with --debug)."""
+    from .train import Diverged
+
+    try:
+        return train(args)
+    except KeyboardInterrupt:  # the Trainer saved a checkpoint and said where before this arrives
+        if args.debug:
+            raise
+        print(f"workbench train: interrupted; `workbench train --out {args.out} --resume ...` continues the run",
+              file=sys.stderr)
+        return 130
+    except Diverged as e:  # the run is marked failed; its last finite checkpoint stays
+        if args.debug:
+            raise
+        print(f"workbench train: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, OSError) as e:  # bad input, an existing run, an unreadable file
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split())
+        print(f"workbench train: {msg} (run with --debug for the traceback)", file=sys.stderr)
+        return 2
 
 
 def _pipeline_cmd(args: argparse.Namespace) -> int:
@@ -110,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--steps", type=int, help="training steps (overrides the train config)")
     t.add_argument("--seed", type=int, help="seed (overrides the train config)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace the run already in --out (default: refuse)")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    t.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     for name, text in (("run", "run a pipeline's notebooks (skips runs that already completed)"),
                        ("status", "show each run of a pipeline: done, failed, partial, pending or stale"),
                        ("report", "(re)write runs/<pipeline>/report.html"),
@@ -130,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("run", "status", "report", "clean"):
         return _pipeline_cmd(args)
     if args.cmd == "train":
-        return train(args)
+        return _train_cmd(args)
     if args.cmd == "demo":
         if args.steps < 1:
             parser.error(f"--steps={args.steps} is invalid: must be >= 1")

@@ -7,7 +7,10 @@ pipeline's train step) writes ONE layout, and `open_run` / `load_model` read it:
       config.json          {"model": LoopConfig fields, "train": TrainConfig fields,
                             "data": {corpus, tasks, task_ratio, task_depths, seed, vocab_size}}
       tokenizer.json       the run's tokenizer (tokenizers JSON, `data.corpus.Tokenizer`)
-      latest.json          {"checkpoint": "ckpt-00000400", "step": 400}: the newest complete checkpoint
+      latest.json          the manifest: {"checkpoint": "ckpt-00000400", "step": 400, "files": {...}},
+                           the newest complete checkpoint and digests of the config.json and
+                           tokenizer.json it was trained with; {"failed": {"step", "error"}} when the
+                           run stopped on divergence ("checkpoint" is then its last finite one, or null)
       ckpt-00000400/       model.safetensors, optim.safetensors, state.json (step, model and train
                            config, sampler position, RNG state, metrics so far)
       metrics.nc           per-step training metrics (the Trainer's)
@@ -17,6 +20,12 @@ A pipeline's run folder is the same folder, plus the runner's run.json, notebook
 A checkpoint is written to a temporary folder and renamed into place; latest.json is replaced only
 after that, so a run killed mid-write resumes from the previous checkpoint. Never pickle.
 
+The files form one consistent set: each checkpoint's state.json and latest.json record the sha256 of
+tokenizer.json and of config.json's "model" and "data" (not "train": a resumed run may extend its
+budget), and `find_run` refuses a folder whose files no longer match them, naming the file, so a
+half-overwritten folder (new tokenizer, old checkpoint) cannot load. `clear_run` removes a run's files
+pointer first, so an interrupted overwrite never leaves an old checkpoint looking complete.
+
 Also opened (written by older code): `<run>/model/` holding the checkpoints, tokenizer.json and
 experiment.json (train_run before the layout was unified), and a bare Trainer out_dir (checkpoints
 and latest.json only; the tokenizer is given, or bytes for a 256-id model).
@@ -25,6 +34,7 @@ and latest.json only; the tokenizer is given, or bytes for a 256-id model).
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import shutil
@@ -39,6 +49,7 @@ if TYPE_CHECKING:  # annotations only: io sits below models at run time
 RUN_CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 LATEST = "latest.json"
+RUN_FILES = (LATEST, RUN_CONFIG, TOKENIZER, "metrics.nc", "results.nc")  # what clear_run removes (latest first)
 
 
 def git_commit(path: str | os.PathLike | None = None) -> str:
@@ -145,26 +156,137 @@ def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict
     save_file(weights, str(tmp / "model.safetensors"))
     tensors, meta = _optim_state(opts)
     save_file(tensors, str(tmp / "optim.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({**state, "optim": meta}))
+    files = run_manifest(out)  # the config and tokenizer this checkpoint belongs to
+    (tmp / "state.json").write_text(json.dumps({**state, "optim": meta, "manifest": files}))
     for f in tmp.iterdir():  # make the bytes durable before the folder becomes visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    atomic_write_bytes(out / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
+    atomic_write_bytes(out / LATEST, json.dumps({"checkpoint": final.name, "step": step, "files": files}).encode())
     old = sorted(p for p in out.glob("ckpt-*") if p.is_dir() and p != final)
     for p in old[:max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """Return the newest complete checkpoint folder under out_dir, or None."""
-    pointer = Path(out_dir) / LATEST
-    if not pointer.exists():
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """Return the parsed JSON of a file; ValueError naming the file when it is truncated or not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a valid {what} (truncated or corrupt?): {e}") from None
+
+
+def load_tensors(path: str | os.PathLike, device: str = "cpu") -> dict:
+    """Return the tensors of a safetensors file; ValueError naming the file when it is truncated or corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete")
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read as safetensors (truncated or corrupt?): {e}") from None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def run_manifest(run_dir: str | os.PathLike) -> dict[str, str]:
+    """Return {file: sha256} of the run folder's tokenizer.json and config.json ("model" and "data" only) present now.
+
+    config.json's "train" part is left out: resuming may extend the budget without changing the run.
+    """
+    run = Path(run_dir)
+    files = {}
+    if (run / TOKENIZER).is_file():
+        files[TOKENIZER] = _digest((run / TOKENIZER).read_bytes())
+    if (run / RUN_CONFIG).is_file():
+        conf = read_json(run / RUN_CONFIG, "run config")
+        part = {k: conf.get(k) for k in ("model", "data")} if isinstance(conf, dict) else conf
+        files[RUN_CONFIG] = _digest(json.dumps(part, sort_keys=True).encode())
+    return files
+
+
+def check_manifest(run_dir: str | os.PathLike, ckpt: str | os.PathLike) -> None:
+    """Return None if the run folder's config.json and tokenizer.json are those the checkpoint was written with.
+
+    Raises ValueError naming the file that differs (the folder was partly overwritten). Files absent
+    now, and checkpoints written before manifests existed, are not checked.
+    """
+    state = read_json(Path(ckpt) / "state.json", "checkpoint state")
+    recorded = state.get("manifest") or {}
+    now = run_manifest(run_dir)
+    for name, digest in recorded.items():
+        if name in now and now[name] != digest:
+            raise ValueError(f"{Path(run_dir) / name} is not the {name} that {Path(ckpt).name} was trained with "
+                             f"(sha256 {digest[:12]} then, {now[name][:12]} now): the run folder was partly "
+                             "overwritten, so its checkpoint and files do not belong together; retrain it "
+                             "(`workbench train --overwrite`) or restore the file")
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict | None:
+    """Return the run folder's latest.json (checkpoint, step, files, failed) checked for shape, or None if absent.
+
+    Raises ValueError naming the file when it is truncated, not a JSON object, or names a checkpoint
+    that is not a `ckpt-*` folder directly inside the run folder.
+    """
+    pointer = Path(run_dir) / LATEST
+    if not pointer.is_file():
         return None
-    path = Path(out_dir) / json.loads(pointer.read_text())["checkpoint"]
-    return path if (path / "state.json").exists() else None
+    m = read_json(pointer, "checkpoint pointer")
+    if not isinstance(m, dict) or "checkpoint" not in m:
+        raise ValueError(f"{pointer} is invalid: must be a JSON object with a \"checkpoint\" entry, got {m!r:.200}")
+    name = m["checkpoint"]
+    if name is not None and (not isinstance(name, str) or not name.startswith("ckpt-") or "/" in name
+                             or "\\" in name or name in (".", "..")):
+        raise ValueError(f"{pointer} names checkpoint={name!r}, which is invalid: must be a ckpt-* folder "
+                         "directly inside the run folder (a pointer outside it is never followed)")
+    return m
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """Return the newest complete checkpoint folder under out_dir, or None when there is none yet.
+
+    Raises FileNotFoundError when latest.json names a checkpoint that is missing or incomplete, and
+    ValueError when latest.json is unreadable or points outside the run folder.
+    """
+    m = read_manifest(out_dir)
+    if m is None or m["checkpoint"] is None:
+        return None
+    path = Path(out_dir) / m["checkpoint"]
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{Path(out_dir) / LATEST} names checkpoint {m['checkpoint']!r}, but {path} is "
+                                "missing or incomplete (no state.json)")
+    return path
+
+
+def mark_failed(out_dir: str | os.PathLike, step: int, error: str) -> Path:
+    """Return latest.json's path after recording in it that the run failed at `step` (its checkpoint is kept)."""
+    m = read_manifest(out_dir) or {"checkpoint": None, "step": 0, "files": run_manifest(out_dir)}
+    m["failed"] = {"step": int(step), "error": str(error)}
+    return atomic_write_bytes(Path(out_dir) / LATEST, json.dumps(m).encode())
+
+
+def holds_run(path: str | os.PathLike) -> bool:
+    """Return True if the folder holds (part of) a run: any of latest.json, config.json, tokenizer.json, ckpt-*."""
+    p = Path(path)
+    return p.is_dir() and (any((p / f).exists() for f in (LATEST, RUN_CONFIG, TOKENIZER))
+                           or any(q.is_dir() for q in p.glob("ckpt-*")))
+
+
+def clear_run(run_dir: str | os.PathLike) -> None:
+    """Remove a run folder's run files (latest.json first, then checkpoints, configs, metrics); others stay."""
+    run = Path(run_dir)
+    for name in RUN_FILES:  # the pointer goes first: from then on nothing here looks complete
+        (run / name).unlink(missing_ok=True)
+    for p in list(run.glob("ckpt-*")) + list(run.glob(".ckpt-*.tmp-*")):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 # ---- run folders ---------------------------------------------------------------------------------------
@@ -180,12 +302,16 @@ def find_run(path: str | os.PathLike) -> tuple[Path, Path]:
     if not p.exists():
         raise FileNotFoundError(f"path={str(path)!r} does not exist: give a run folder or a checkpoint folder")
     if p.is_dir() and (p / "state.json").is_file():
+        check_manifest(p.parent, p)
         return p.parent, p
     for run in (p, p / "model"):  # p / "model": train_run's layout before the run folder was unified
         if run.is_dir() and (run / LATEST).is_file():
             ckpt = latest_checkpoint(run)
             if ckpt is None:
-                raise FileNotFoundError(f"{run / LATEST} names a checkpoint that is missing or incomplete")
+                failed = (read_manifest(run) or {}).get("failed") or {}
+                raise FileNotFoundError(f"{run} has no checkpoint: training failed at step {failed.get('step')} "
+                                        f"before the first one ({str(failed.get('error', ''))[:300]})")
+            check_manifest(run, ckpt)
             return run, ckpt
     raise FileNotFoundError(f"path={str(path)!r} is not a run or checkpoint folder: expected latest.json (a run "
                             "folder) or state.json and model.safetensors (a checkpoint folder)")
@@ -197,20 +323,18 @@ def load_model(path: str | os.PathLike, device=None) -> LoopLM:
     Raises FileNotFoundError when there is no checkpoint and ValueError when its config cannot be built
     or its weights do not fit its config.
     """
-    from safetensors.torch import load_file
-
     from .config import LoopConfig
     from .models.looped import LoopLM
 
     _, ckpt = find_run(path)
-    state = json.loads((ckpt / "state.json").read_text())
+    state = read_json(ckpt / "state.json", "checkpoint state")
     try:
         cfg = LoopConfig.from_json(state["model_config"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"the checkpoint at {ckpt} has a model_config this workbench cannot build: {e}") from None
     model = LoopLM(cfg)
     # retrofit checkpoints written before adapters had one name stored <linear>_lora.{A,B}
-    weights = {k.replace("_lora.", "_adapter."): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    weights = {k.replace("_lora.", "_adapter."): v for k, v in load_tensors(ckpt / "model.safetensors").items()}
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:  # load_state_dict: missing, unexpected or mis-shaped weights
@@ -279,12 +403,12 @@ def read_run_config(path: str | os.PathLike) -> dict:
     """
     run, ckpt = find_run(path)
     if (run / RUN_CONFIG).is_file():
-        return json.loads((run / RUN_CONFIG).read_text())
-    state = json.loads((ckpt / "state.json").read_text())
+        return read_json(run / RUN_CONFIG, "run config")
+    state = read_json(ckpt / "state.json", "checkpoint state")
     exp = run / "experiment.json"
     return {"model": json.loads(state["model_config"]),
             "train": json.loads(state["train_config"]) if "train_config" in state else {},
-            "data": json.loads(exp.read_text()) if exp.is_file() else {}}
+            "data": read_json(exp, "experiment record") if exp.is_file() else {}}
 
 
 # ---- pipeline run records: read by the pipeline and by whoever looks for its runs ----------------------

@@ -18,10 +18,15 @@ mid-write resumes from the previous checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -31,15 +36,43 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
-from safetensors.torch import load_file
-
 from .config import LoopConfig, check_bool, check_choice, check_float, check_int, fail
-from .io import provenance, save_netcdf
+from .io import holds_run, load_tensors, mark_failed, provenance, read_json, save_netcdf
 from .models.looped import LoopLM
 
 SCHEDULES = ("cosine", "wsd", "constant")
 LOOP_SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
 _MUON_SUFFIXES = (".attn.qkv.weight", ".attn.o.weight", ".mlp.gate_up.weight", ".mlp.down.weight")
+# TrainConfig fields that decide the trajectory: a resumed run must keep them (the budget, evaluation,
+# checkpointing, device and display may change)
+RESUME_FIELDS = ("seed", "batch_size", "seq_len", "loop_sampler", "loops", "loop_min", "loop_max", "loop_sigma",
+                 "backward_loops", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac", "weight_decay",
+                 "grad_clip", "muon")
+CHANCE_STEPS = 50  # past warmup, this many steps in a row ...
+CHANCE_FRACTION = 0.95  # ... with the loss above this share of ln(vocab_size) get a warning
+
+
+class Diverged(FloatingPointError):
+    """Training produced a non-finite loss, gradient or parameter; `step` is the 1-based step that did it."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+log = logging.getLogger("workbench.train")  # warnings about a run (chance-level loss) go here and to its metrics
+
+
+def data_fingerprint(tokens) -> str | None:
+    """Return a cheap fingerprint of a token array (length and 65,536 evenly spaced values), or None for other data."""
+    import hashlib
+
+    if not (isinstance(tokens, np.ndarray) or torch.is_tensor(tokens)):
+        return None
+    arr = np.asarray(tokens).reshape(-1)
+    idx = np.linspace(0, max(len(arr) - 1, 0), num=min(len(arr), 65536)).astype(np.int64)
+    sample = np.ascontiguousarray(arr[idx].astype(np.int64))  # hashing all of a large shard would take seconds
+    return f"{len(arr)}:{hashlib.sha256(sample.tobytes()).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -241,8 +274,15 @@ class Trainer:
     """Trains a LoopLM on token batches; `run()` returns the per-step metrics as an xarray Dataset."""
 
     def __init__(self, cfg: LoopConfig, tc: TrainConfig, train_data, val_data=None, out_dir=None,
-                 resume: bool = False, model: LoopLM | None = None):
+                 resume: bool = False, model: LoopLM | None = None, overwrite: bool = False):
         from .data.corpus import BatchSampler
+
+        check_bool("resume", resume)
+        check_bool("overwrite", overwrite)
+        if not isinstance(cfg, LoopConfig):
+            fail("cfg", cfg, "must be a LoopConfig")
+        if not isinstance(tc, TrainConfig):
+            fail("tc", tc, "must be a TrainConfig")
 
         self.cfg, self.tc = cfg, tc
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -259,6 +299,7 @@ class Trainer:
         if self.model.cfg != cfg:
             raise ValueError("model.cfg does not match cfg")
         # the sampler draws the GLOBAL batch; each rank trains on its slice, so the run is the same at any world size
+        self.data_fingerprints = {"train": data_fingerprint(train_data), "val": data_fingerprint(val_data)}
         if isinstance(train_data, np.ndarray) or torch.is_tensor(train_data):
             train_data = BatchSampler(np.asarray(train_data), tc.batch_size * self.world, tc.seq_len, seed=tc.seed)
         self.sampler = train_data
@@ -272,8 +313,17 @@ class Trainer:
         self.metrics: dict[str, list] = {k: [] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "loops",
                                                          "backward_loops")}
         self.evals: list[xr.Dataset] = []
+        self.warnings: list[str] = []  # kept in checkpoints and the metrics' attrs
+        self.failed: str | None = None
+        self._signal: int | None = None
         if self.out_dir is not None and self.rank == 0:
             self._check_writable()
+            if not resume and holds_run(self.out_dir) and (self.out_dir / "latest.json").exists():
+                if not overwrite:
+                    raise FileExistsError(f"out_dir={str(self.out_dir)!r} already holds a run (latest.json): pass "
+                                          "resume=True to continue it or overwrite=True to replace it")
+                from .io import clear_run
+                clear_run(self.out_dir)
         if resume:
             self._resume()
         self.train_model = self.model
@@ -321,13 +371,47 @@ class Trainer:
         return {"step": self.step, "model_config": self.cfg.to_json(), "train_config": self.tc.to_json(),
                 "sampler": self.sampler.state_dict(), "metrics": self.metrics,
                 "torch_rng": torch.get_rng_state().tolist(),
-                "evals": [ds.to_dict() for ds in self.evals]}
+                "evals": [ds.to_dict() for ds in self.evals], "warnings": self.warnings,
+                "data": self.data_fingerprints}
+
+    def nonfinite(self) -> str | None:
+        """Return the name of the first parameter or optimiser state that is not finite, or None when all are."""
+        for name, p in self.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                return f"parameter {name}"
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for opt in self.opts:
+            for p, st in opt.state.items():
+                for key, v in st.items():
+                    if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                        return f"optimiser state {key} of {names.get(id(p), '?')}"
+        return None
 
     def save(self) -> Path | None:
-        """Return the checkpoint folder written now (rank 0 only; None elsewhere or without out_dir)."""
+        """Return the checkpoint folder written now (rank 0 only; None elsewhere or without out_dir).
+
+        Raises Diverged, writing nothing, when a parameter or optimiser state is not finite.
+        """
         if self.out_dir is None or self.rank != 0:
             return None
-        return save_checkpoint(self.out_dir, self.model, self.opts, self._state(), self.tc.keep_checkpoints)
+        bad = self.nonfinite()
+        if bad is not None:
+            raise self._diverged(self.step, f"after its update, {bad} is not finite")
+        path = save_checkpoint(self.out_dir, self.model, self.opts, self._state(), self.tc.keep_checkpoints)
+        self._saved_at = time.monotonic()
+        return path
+
+    def _diverged(self, step: int, what: str, loops: tuple[int, int] | None = None) -> Diverged:
+        """Return the Diverged error for 1-based `step`, naming what was not finite and the last finite checkpoint."""
+        try:
+            last = latest_checkpoint(self.out_dir) if self.out_dir is not None else None
+        except (OSError, ValueError):
+            last = None
+        where = (f"the last finite checkpoint is {last} (step {int(last.name.split('-')[1])})" if last is not None
+                 else "no checkpoint was written before it" if self.out_dir is not None else "no out_dir to save to")
+        at = f" (loops={loops[0]}, backward_loops={loops[1]})" if loops else ""
+        return Diverged(f"training diverged at step {step} of {self.total_steps}: {what}{at}; nothing after it was "
+                        f"saved, {where}; lower lr, raise warmup or clip gradients (grad_clip) and retrain", step)
 
     def _resume(self) -> None:
         if self.out_dir is None:
@@ -335,20 +419,34 @@ class Trainer:
         path = latest_checkpoint(self.out_dir)
         if path is None:
             return  # nothing yet: a fresh start
-        state = json.loads((path / "state.json").read_text())
+        state = read_json(path / "state.json", "checkpoint state")
         saved = LoopConfig.from_json(state["model_config"])
         if saved != self.cfg:
             diff = {k: (v, getattr(self.cfg, k)) for k, v in saved.to_dict().items() if getattr(self.cfg, k) != v}
             raise ValueError(f"checkpoint {path} was written for another model config; differing fields "
                              f"(checkpoint, now): {diff}")
-        self.model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
-        _load_optim_state(self.opts, load_file(str(path / "optim.safetensors"), device=str(self.device)),
+        if "train_config" in state:
+            old = json.loads(state["train_config"])
+            now = json.loads(self.tc.to_json())
+            diff = {k: (old[k], now[k]) for k in RESUME_FIELDS if k in old and old[k] != now[k]}
+            if diff:
+                raise ValueError(f"checkpoint {path} was trained with other settings; a resumed run must keep them. "
+                                 f"Differing fields (checkpoint, now): {diff}; start a new run (another out_dir, "
+                                 "or overwrite) to change them")
+        for part, fp in (state.get("data") or {}).items():
+            if fp is not None and self.data_fingerprints.get(part) not in (None, fp):
+                raise ValueError(f"checkpoint {path} was trained on other {part} data (fingerprint {fp} then, "
+                                 f"{self.data_fingerprints[part]} now: length and sampled token ids differ); a "
+                                 "resumed run must see the same data")
+        self.model.load_state_dict(load_tensors(path / "model.safetensors", device=str(self.device)))
+        _load_optim_state(self.opts, load_tensors(path / "optim.safetensors", device=str(self.device)),
                           state["optim"])
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.step = int(state["step"])
         self.metrics = {k: list(v) for k, v in state["metrics"].items()}
         self.evals = [xr.Dataset.from_dict(d) for d in state.get("evals", [])]
+        self.warnings = list(state.get("warnings", []))
 
     # one step ---------------------------------------------------------------------------------------------
     def _loss(self, batch, r: int, k: int) -> torch.Tensor:
@@ -386,14 +484,18 @@ class Trainer:
             k = min(k, r)
         loss = self._loss(batch, r, k)
         if not torch.isfinite(loss):
-            last = latest_checkpoint(self.out_dir) if self.out_dir is not None else None
-            raise FloatingPointError(f"loss is {loss.item()} at step {self.step} (loops={r}, backward_loops={k}); "
-                                     f"stopped without saving; last good checkpoint: {last}")
+            bad = self.nonfinite()  # weights the previous update broke: that step diverged, not this one
+            if bad is not None and self.step > 0:
+                raise self._diverged(self.step, f"after its update, {bad} is not finite (the next loss is "
+                                                f"{loss.item()})")
+            raise self._diverged(self.step + 1, f"the loss is {loss.item()}", (r, k))
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                             self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"))
+        if not torch.isfinite(gn):  # stop before the update: the weights in memory stay finite
+            raise self._diverged(self.step + 1, f"the gradient norm is {float(gn)} at loss {loss.item():.4g}", (r, k))
         for opt in self.opts:
             opt.step()
         if self.device.type == "cuda":
@@ -427,32 +529,138 @@ class Trainer:
             ev = xr.concat(self.evals, dim="step").rename(step="eval_step")
             ds["eval_loss"] = ev["loss"]
             ds["eval_accuracy"] = ev["accuracy"]
-        ds.attrs = provenance(self.cfg, self.tc.seed, train_config=self.tc.to_json(), total_steps=self.total_steps)
+        ds.attrs = provenance(self.cfg, self.tc.seed, train_config=self.tc.to_json(), total_steps=self.total_steps,
+                              chance_loss=math.log(self.cfg.vocab_size), warnings="\n".join(self.warnings),
+                              failed=self.failed or "")
         return ds
 
     def run(self) -> xr.Dataset:
-        """Return the metrics Dataset after training to the budget (checkpointing and evaluating on the way)."""
+        """Return the metrics Dataset after training to the budget (checkpointing and evaluating on the way).
+
+        Checkpoints come every `checkpoint_every` steps and whenever `checkpoint_seconds` have passed
+        since the last one, and at the end. SIGINT or SIGTERM stops after the current step, saves a
+        checkpoint and then acts as the signal would (KeyboardInterrupt, or termination): `resume=True`
+        continues exactly there. A non-finite loss, gradient or parameter raises Diverged naming the
+        step: no non-finite checkpoint is written, the last finite one stays, and latest.json and
+        metrics.nc record the failure.
+        """
+        try:
+            with self._signals_save():
+                self._train_loop()
+            if self._signal is not None:
+                self._stop_on_signal()
+            try:
+                if self.val_batches is not None and (not self.evals or int(self.evals[-1].step[0]) != self.step):
+                    self.evals.append(self.evaluate())
+            finally:  # a failing evaluation never costs the trained weights
+                self.save()
+        except Diverged as e:
+            self._record_failure(e)
+            raise
+        ds = self.metrics_dataset()
+        if self.out_dir is not None and self.rank == 0:
+            save_netcdf(ds, self.out_dir / "metrics.nc")
+        return ds
+
+    def _train_loop(self) -> None:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train",
                    disable=not self.tc.progress or self.rank != 0)
         self.model.train()
-        while self.step < self.total_steps:
-            loss = self.train_step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", r=self.metrics["loops"][-1])
-            if self.tc.eval_every and self.val_batches is not None and self.step % self.tc.eval_every == 0:
-                self.evals.append(self.evaluate())
-            if self.tc.checkpoint_every and self.step % self.tc.checkpoint_every == 0:
-                self.save()
-        bar.close()
-        if self.val_batches is not None and (not self.evals or int(self.evals[-1].step[0]) != self.step):
-            self.evals.append(self.evaluate())
-        self.save()
-        ds = self.metrics_dataset()
+        self._saved_at = time.monotonic()
+        try:
+            while self.step < self.total_steps:
+                loss = self.train_step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", r=self.metrics["loops"][-1])
+                self._watch_chance()
+                if self.tc.eval_every and self.val_batches is not None and self.step % self.tc.eval_every == 0:
+                    self.evals.append(self.evaluate())
+                if self._stop_requested():
+                    return
+                due = self.tc.checkpoint_every and self.step % self.tc.checkpoint_every == 0
+                late = self.tc.checkpoint_seconds and time.monotonic() - self._saved_at >= self.tc.checkpoint_seconds
+                if (due or late) and self.step < self.total_steps:  # the last step is saved by run()
+                    self.save()
+        finally:
+            bar.close()
+
+    def _watch_chance(self) -> None:
+        """Warn (once; kept in the metrics' attrs) when the loss has sat at chance level for CHANCE_STEPS steps."""
+        losses = self.metrics["loss"]
+        if len(losses) < self.tc.warmup + CHANCE_STEPS or any(w.startswith("loss at chance") for w in self.warnings):
+            return
+        chance = math.log(self.cfg.vocab_size)
+        recent = losses[-CHANCE_STEPS:]
+        if min(recent) >= CHANCE_FRACTION * chance:
+            msg = (f"loss at chance level: steps {len(losses) - CHANCE_STEPS + 1}..{len(losses)} all have loss >= "
+                   f"{CHANCE_FRACTION:g} x ln(vocab_size={self.cfg.vocab_size}) = {CHANCE_FRACTION * chance:.3f} "
+                   f"(latest {recent[-1]:.3f}): the model is not learning; lr={self.tc.lr:g} may be too high or too low")
+            self.warnings.append(msg)
+            if self.rank == 0:
+                log.warning("workbench: %s", msg)
+
+    # signals and failures -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _signals_save(self):
+        """Within: SIGINT / SIGTERM ask the loop to stop after the current step (a second one stops at once)."""
+        self._signal = None
+        if threading.current_thread() is not threading.main_thread():
+            yield  # handlers can only be installed from the main thread
+            return
+        old = {}
+
+        def handler(signum, frame):
+            if self._signal is not None:  # asked twice: stop now; the last checkpoint stands
+                signal.signal(signum, old[signum])
+                signal.raise_signal(signum)
+                return
+            self._signal = signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN or prev is None:
+                continue  # ignored (nohup, background job) or set outside Python: leave it alone
+            old[sig] = prev
+            signal.signal(sig, handler)
+        try:
+            yield
+        finally:
+            for sig, prev in old.items():
+                signal.signal(sig, prev)
+
+    def _stop_requested(self) -> bool:
+        """Return True when a signal asked this (or, under DDP, any) rank to stop; ranks agree on the step."""
+        stop = self._signal is not None
+        if self.dist:
+            flag = torch.tensor([float(stop)], device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(flag.item())
+            if stop and self._signal is None:
+                self._signal = signal.SIGTERM
+        return stop
+
+    def _stop_on_signal(self) -> None:
+        """Save a checkpoint, say where, then act as the signal would (raise KeyboardInterrupt, or terminate)."""
+        sig = self._signal
+        path = self.save()
         if self.out_dir is not None and self.rank == 0:
-            save_netcdf(ds, self.out_dir / "metrics.nc")
-        return ds
+            save_netcdf(self.metrics_dataset(), self.out_dir / "metrics.nc")
+        if self.rank == 0:
+            where = f"checkpoint {path}" if path is not None else "nothing saved (no out_dir)"
+            print(f"workbench: {signal.Signals(sig).name} at step {self.step} of {self.total_steps}: {where}; "
+                  "resume=True (workbench train --resume) continues from it", file=sys.stderr, flush=True)
+        signal.raise_signal(sig)  # the handlers are restored: the signal does what it would have done
+        raise KeyboardInterrupt(f"training stopped by {signal.Signals(sig).name} at step {self.step}")
+
+    def _record_failure(self, e: Diverged) -> None:
+        """Mark the run failed in latest.json and write metrics.nc up to the failure (rank 0, with out_dir)."""
+        self.failed = str(e)
+        if self.out_dir is None or self.rank != 0:
+            return
+        mark_failed(self.out_dir, e.step, str(e))
+        save_netcdf(self.metrics_dataset(), self.out_dir / "metrics.nc")
 
 
 class ExampleBatches:

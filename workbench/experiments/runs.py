@@ -24,8 +24,8 @@ import pandas as pd
 import torch
 import xarray as xr
 
-from ..config import LoopConfig
-from ..io import TOKENIZER, provenance, save_netcdf, write_run_config
+from ..config import LoopConfig, check_bool, check_float, check_int, fail
+from ..io import RUN_CONFIG, TOKENIZER, clear_run, holds_run, provenance, read_json, save_netcdf, write_run_config
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
@@ -122,42 +122,132 @@ def load_run(path: str | os.PathLike, device=None) -> Run:
     return Run(model, tok, read_run_config(path)["data"], run_dir)
 
 
+def _int_list(field: str, value: Any, lo: int, allow_none: bool = True) -> list[int] | None:
+    """Return value as a list of integers >= lo (None stays None when allowed), else fail naming the element."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        fail(field, value, f"must be {'None or ' if allow_none else ''}a list of integers >= {lo}")
+    return [check_int(f"{field}[{i}]", v, lo) for i, v in enumerate(value)]
+
+
+def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
+                    tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
+                    eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
+                    resume: bool = True, overwrite: bool = False):
+    """Return (LoopConfig, TrainConfig) that train_run's arguments describe, checking every one before any work.
+
+    The LoopConfig's vocab_size is the one asked for (the tokenizer's real size replaces it later).
+    Raises ValueError naming the argument or config field, its value and what is allowed.
+    """
+    from ..data.corpus import SOURCES, SPECIAL_TOKENS
+    from ..data.tasks import TASKS
+    from ..train import TrainConfig
+
+    if not isinstance(model, dict):
+        fail("model", model, "must be a mapping of LoopConfig fields")
+    if not isinstance(train, dict):
+        fail("train", train, "must be a mapping of TrainConfig fields")
+    if not isinstance(corpus, str) or not (corpus in ("stdlib", "shakespeare") or corpus.startswith(("path:", "hf:"))):
+        fail("corpus", corpus, f"must be one of {', '.join(SOURCES)} (path:DIR_OR_FILE, hf:NAME)")
+    check_int("vocab_size", vocab_size, 256 + len(SPECIAL_TOKENS),
+              allowed=f"must be an integer >= {256 + len(SPECIAL_TOKENS)} (256 bytes + the end-of-text id)")
+    if isinstance(tasks, (str, bytes)) or not isinstance(tasks, (list, tuple)):
+        fail("tasks", tasks, f"must be a list of task names from {', '.join(TASKS)}")
+    for i, name in enumerate(tasks):
+        if name not in TASKS:
+            fail(f"tasks[{i}]", name, f"must be one of {', '.join(TASKS)}")
+    check_float("task_ratio", task_ratio, 0, 1)
+    _int_list("task_depths", task_depths, 0)
+    if eval_loops is not None and not _int_list("eval_loops", eval_loops, 1):
+        fail("eval_loops", eval_loops, "must be None or a non-empty list of integers >= 1")
+    check_int("seed", seed, 0)
+    for name, v in (("progress", progress), ("resume", resume), ("overwrite", overwrite)):
+        check_bool(name, v)
+    if resume and overwrite:
+        fail("overwrite", overwrite, "must be False with resume=True: continue the run or replace it, not both")
+    cfg = LoopConfig.from_dict({"vocab_size": vocab_size, **model})
+    # periodic checkpoints: a killed pipeline run resumes from the last one instead of starting over
+    tc = TrainConfig.from_dict({"seed": seed, "progress": progress, "checkpoint_every": 100, **train})
+    return cfg, tc
+
+
+def _resume_conflicts(out: Path, cfg: LoopConfig, tc, experiment: dict) -> None:
+    """Raise ValueError naming every field in which the run at `out` (its config.json) differs from this one."""
+    from ..train import RESUME_FIELDS
+
+    conf = read_json(out / RUN_CONFIG, "run config")
+    if not isinstance(conf, dict):
+        fail(str(out / RUN_CONFIG), conf, "must be a JSON object with model, train and data")
+    diff = {}
+    now_model = cfg.to_dict()
+    for k, v in (conf.get("model") or {}).items():
+        if k != "vocab_size" and k in now_model and now_model[k] != v:  # the tokenizer fixes vocab_size
+            diff[f"model.{k}"] = (v, now_model[k])
+    now_train = json.loads(tc.to_json())
+    for k in RESUME_FIELDS:
+        if k in (conf.get("train") or {}) and conf["train"][k] != now_train[k]:
+            diff[f"train.{k}"] = (conf["train"][k], now_train[k])
+    for k, v in experiment.items():
+        if k in (conf.get("data") or {}) and conf["data"][k] != v:
+            diff[f"data.{k}"] = (conf["data"][k], v)
+    if diff:
+        shown = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, a, b in ((k, *ab) for k, ab in diff.items()))
+        raise ValueError(f"cannot resume the run at {out}: it was made with other settings ({shown}); keep them, "
+                         "or start a new run (another folder, or overwrite=True / --overwrite)")
+
+
 def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
               tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
               eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
-              resume: bool = True) -> tuple[Run, xr.Dataset]:
+              resume: bool = True, overwrite: bool = False) -> tuple[Run, xr.Dataset]:
     """Return (Run, results Dataset) after training LoopConfig(**model) with TrainConfig(**train) on a corpus.
 
-    `out_dir` becomes a run folder (layout in `workbench.io`). With `resume=True` (default) training
+    `out_dir` becomes a run folder (layout in `workbench.io`). Every argument is checked first
+    (`check_train_run`), before anything is read or written. With `resume=True` (default) training
     continues from its latest checkpoint when one exists (an interrupted pipeline run picks up where it
-    stopped) and the saved tokenizer is reused; `resume=False` starts over. Results: validation loss and
-    accuracy per loop (below, at and beyond K), the training curve, the parameter split N_once / N_rec,
-    tokens seen, and per-loop task accuracy when tasks are mixed in. The same data is written to
-    `out_dir/results.nc`.
+    stopped) and the saved tokenizer is reused; a run made with another model, data or trajectory
+    setting (seed, lr, ...) is refused naming the fields. With `resume=False` a folder that already
+    holds a run is refused unless `overwrite=True`, which removes the old run first. Results:
+    validation loss and accuracy per loop (below, at and beyond K), the training curve, the parameter
+    split N_once / N_rec, tokens seen, and per-loop task accuracy when tasks are mixed in. The same
+    data is written to `out_dir/results.nc`.
     """
     from ..data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
     from ..evals import loop_sweep
-    from ..train import Trainer, TrainConfig
+    from ..train import Trainer
 
+    cfg, tc = check_train_run(model, train, corpus, vocab_size, tasks, task_ratio, task_depths, eval_loops, seed,
+                              progress, resume, overwrite)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        fail("out_dir", str(out_dir), "must be a folder (it is a file)")
+    experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
+                  "task_depths": list(task_depths or []), "seed": seed}
+    if holds_run(out):
+        if resume and (out / RUN_CONFIG).is_file():
+            _resume_conflicts(out, cfg, tc, {**experiment, "vocab_request": vocab_size})
+        elif not resume and not overwrite:
+            raise FileExistsError(f"out_dir={str(out_dir)!r} already holds a run (config.json, tokenizer.json or "
+                                  "checkpoints): resume it (resume=True, `workbench train --resume`) or replace it "
+                                  "(overwrite=True, `--overwrite`); nothing was changed")
+        elif overwrite:
+            clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
     out.mkdir(parents=True, exist_ok=True)
     text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed)
     tok_path = out / TOKENIZER
     if resume and tok_path.exists():
-        tok = Tokenizer.load(tok_path)
+        try:
+            tok = Tokenizer.load(tok_path)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ValueError(f"cannot read the tokenizer at {tok_path} (truncated or corrupt?): {e}") from None
     else:
         tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=seed)
         tok.save(tok_path)
     data = tokenize_corpus(text, tok, progress=progress)
-    experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
-                  "task_depths": list(task_depths or []), "seed": seed, "vocab_size": tok.vocab_size}
+    experiment = {**experiment, "vocab_size": tok.vocab_size, "vocab_request": vocab_size}
 
-    cfg = LoopConfig.from_dict({"vocab_size": tok.vocab_size, **model})
-    # periodic checkpoints: a killed pipeline run resumes from the last one instead of starting over
-    tfields = {"seed": seed, "progress": progress, "checkpoint_every": 100, **train}
-    if tfields.get("eval_loops") is not None:
-        tfields["eval_loops"] = tuple(tfields["eval_loops"])
-    tc = TrainConfig(**tfields)
+    cfg = cfg.replace(vocab_size=tok.vocab_size) if "vocab_size" not in model else cfg
     write_run_config(out, cfg, tc, experiment)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, tc, data.train, data.val, out_dir=out, resume=resume)
