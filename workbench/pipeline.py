@@ -46,6 +46,7 @@ import hashlib
 import html
 import itertools
 import json
+import math
 import os
 import shutil
 import time
@@ -339,12 +340,52 @@ def declared_parameters(notebook: str | os.PathLike) -> dict[str, dict]:
 
 
 def _type_ok(value: Any, type_name: str) -> bool:
-    allowed = _TYPES.get(type_name.split("[")[0].strip())
+    """Return True if value fits a declared type: bools only for bool, floats finite, list[T] elements of type T."""
+    base, _, inner = type_name.partition("[")
+    allowed = _TYPES.get(base.strip())
     if allowed is None:  # unannotated ("None") or a type we do not check
         return True
     if isinstance(value, bool) and bool not in allowed:
         return False
-    return isinstance(value, allowed)
+    if not isinstance(value, allowed):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):  # YAML's .nan and .inf are floats too
+        return False
+    if inner and base.strip() == "list":  # list[int], list[str], ...: every element (nested brackets unchecked)
+        return all(_type_ok(v, inner.rstrip("]").strip()) for v in value)
+    return True
+
+
+def _declared_check(notebook: Path) -> Callable[[dict], None] | None:
+    """Return the parameter check a notebook names in its metadata (workbench.check = "workbench.mod:fn"), or None.
+
+    The check takes the run's parameters (declared defaults filled in) and raises ValueError naming the
+    bad one: what types cannot say (ranges, list elements, fields of the configs a notebook builds).
+    """
+    import importlib
+
+    meta = json.loads(Path(notebook).read_text()).get("metadata", {}).get("workbench", {})
+    target = meta.get("check") if isinstance(meta, dict) else None
+    if not target:
+        return None
+    module, _, name = str(target).partition(":")
+    if not module.startswith("workbench.") or not name:  # only the library's own checks are imported
+        raise PipelineError(f"{notebook.name}: metadata workbench.check={target!r} is invalid: must be "
+                            "'workbench.<module>:<function>'")
+    return getattr(importlib.import_module(module), name)
+
+
+def _defaults(decl: dict) -> dict:
+    """Return the declared parameters' default values (those that are plain literals)."""
+    import ast
+
+    out = {}
+    for name, d in decl.items():
+        try:
+            out[name] = ast.literal_eval(d.get("default", ""))
+        except (ValueError, SyntaxError):
+            pass
+    return out
 
 
 def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
@@ -361,12 +402,14 @@ def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
                 problems.append(f"step {step.name!r}: {step.notebook.name} must declare parameter {r!r} "
                                 "(the runner sets it to the run's folder)")
     seen = set()
+    mistyped = set()  # runs with a wrong name or type: their notebook's own check would only repeat it
     for job in jobs:
         decl = declared.get(job.step) or {}
         if not decl:
             continue
         for name, value in job.params.items():
-            if (job.step, name) in seen:
+            if (job.step, name) in seen or (job.step, name, repr(value)) in seen:
+                mistyped.add(job.key)
                 continue
             if name in RESERVED:
                 problems.append(f"step {job.step!r}: parameter {name!r} is set by the runner; remove it")
@@ -376,10 +419,30 @@ def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
                                 f"{job.notebook.name} declares: {', '.join(sorted(decl))}")
                 seen.add((job.step, name))
             elif not _type_ok(value, decl[name]["inferred_type_name"]):
-                problems.append(f"step {job.step!r}: parameter {name}={value!r} has type {type(value).__name__}; "
-                                f"{job.notebook.name} declares {name}: {decl[name]['inferred_type_name']}"
+                tname = decl[name]["inferred_type_name"]
+                base = tname.split("[")[0]
+                what = (f"has type {type(value).__name__}" if not (isinstance(value, _TYPES.get(base, object))
+                                                                    and not (isinstance(value, bool) and base != "bool"))
+                        else "is not finite" if isinstance(value, float)
+                        else "has an element of another type")
+                problems.append(f"step {job.step!r}: parameter {name}={value!r} {what}; "
+                                f"{job.notebook.name} declares {name}: {tname}"
                                 + (f"  # {decl[name]['help']}" if decl[name].get("help") else ""))
-                seen.add((job.step, name))
+                seen.add((job.step, name, repr(value)))  # each bad value once, however many runs share it
+            else:
+                continue
+            mistyped.add(job.key)
+    checks = {step.name: _declared_check(step.notebook) for step in pipe.steps if declared.get(step.name)}
+    for job in jobs:
+        check = checks.get(job.step)
+        if check is None or job.key in mistyped:
+            continue
+        try:
+            check({**_defaults(declared[job.step]), **job.params})
+        except (ValueError, TypeError) as e:
+            msg = f"step {job.step!r}: {e}"
+            if msg not in problems:  # a grid repeats the same bad value in many runs
+                problems.append(msg)
     if problems:
         raise PipelineError(f"pipeline {pipe.name!r}: nothing was run:\n  - " + "\n  - ".join(problems))
 

@@ -294,6 +294,45 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     return run, ds
 
 
+def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: Sequence[str] = (),
+                        task_ratio: float = 0.2, d_model: int = 128, n_heads: int = 4, n_kv_heads: int = 2,
+                        prelude: int = 1, core: int = 2, coda: int = 1, loops: int = 4, inject: str = "channel",
+                        timestep: str = "none", hyper: int = 1, taper: str = "uniform",
+                        model_overrides: dict | None = None, steps: int = 300, flops: float = 0.0,
+                        batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
+                        loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
+                        out_dir: str = ".") -> dict:
+    """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
+
+    One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
+    below 0 is an error), backward_loops 0 is full BPTT, max_seq_len is max(seq_len, 512), warmup a
+    tenth of the steps up to 20. Raises ValueError naming a parameter whose type or range is wrong.
+    """
+    overrides = {} if model_overrides is None else model_overrides
+    if not isinstance(overrides, dict):
+        fail("model_overrides", overrides, "must be a mapping of LoopConfig fields")
+    check_int("seq_len", seq_len, 1)
+    check_int("steps", steps, 1)
+    check_int("backward_loops", backward_loops, 0, allowed="must be an integer >= 0 (0: full BPTT)")
+    check_float("flops", flops, 0, allowed="must be a finite number >= 0 (0: the budget is steps)")
+    model = dict(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, prelude=prelude, core=core, coda=coda,
+                 loops=loops, inject=inject, timestep=timestep, hyper=hyper, taper=taper,
+                 max_seq_len=max(seq_len, 512), **overrides)
+    budget = {"flops": flops} if flops > 0 else {"steps": steps}
+    train = dict(batch_size=batch_size, seq_len=seq_len, lr=lr, loop_sampler=loop_sampler,
+                 backward_loops=backward_loops or None, warmup=min(20, steps // 10), **budget)
+    return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
+                eval_loops=eval_loops, seed=seed)
+
+
+def check_train_notebook(params: dict) -> None:
+    """Return None if the train notebook's parameters make a valid run; else raise ValueError naming the bad one.
+
+    The pipeline calls it (the notebook's metadata names it) for every run before anything runs.
+    """
+    check_train_run(**train_notebook_args(**params))
+
+
 def demo_trainer(steps: int = 200, seed: int = 0, progress: bool = True):
     """Return the Trainer of the demo model (byte-level 1+2x4+1, d=128, 2 MB of stdlib source) after training.
 
