@@ -78,7 +78,7 @@ def train(args: argparse.Namespace) -> int:
     if not args.resume and not args.overwrite and holds_run(out):
         fail("--out", args.out, "already holds a run (config.json, tokenizer.json or checkpoints): add --resume to "
              "continue it or --overwrite to replace it; nothing was changed")
-    if all(train_fields.get(k) in (None, False) for k in ("steps", "tokens", "flops", "chinchilla")):
+    if all(train_fields.get(k) is None or train_fields.get(k) is False for k in ("steps", "tokens", "flops", "chinchilla")):
         train_fields["steps"] = 200  # no budget given at all (a 0 is given, and TrainConfig rejects it)
     train_fields.setdefault("progress", not args.no_progress)
     train_fields.setdefault("eval_every", 50)

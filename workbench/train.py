@@ -186,6 +186,16 @@ class TrainConfig:
         return cls.from_dict(json.loads(text))
 
 
+def check_fit(cfg: LoopConfig, tc: TrainConfig) -> None:
+    """Return None if the train config fits the model (sequence length, loop counts); else fail naming the field."""
+    if tc.seq_len > cfg.max_seq_len:
+        fail("TrainConfig.seq_len", tc.seq_len, f"must be <= LoopConfig.max_seq_len={cfg.max_seq_len} (rotary "
+             "positions are built up to it)")
+    r = tc.loops or cfg.loops
+    if tc.loop_sampler == "fixed" and tc.backward_loops is not None and tc.backward_loops > r:
+        fail("TrainConfig.backward_loops", tc.backward_loops, f"must be <= loops={r} (k <= r)")
+
+
 # ---- pieces a trainer is made of (each usable on its own) -------------------------------------------
 def param_groups(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
     """Return (muon, adamw) lists of (name, parameter): Muon gets exactly the 2-D hidden matrices.
@@ -292,9 +302,7 @@ class Trainer:
         self.device = torch.device(tc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.dist and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if tc.loop_sampler == "fixed" and tc.backward_loops is not None and tc.backward_loops > (tc.loops or cfg.loops):
-            raise ValueError(f"TrainConfig.backward_loops={tc.backward_loops} is invalid: must be <= loops="
-                             f"{tc.loops or cfg.loops} (k <= r)")
+        check_fit(cfg, tc)
         self.model = (model if model is not None else LoopLM(cfg, seed=tc.seed)).to(self.device)
         if self.model.cfg != cfg:
             raise ValueError("model.cfg does not match cfg")

@@ -142,7 +142,7 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     """
     from ..data.corpus import SOURCES, SPECIAL_TOKENS
     from ..data.tasks import TASKS
-    from ..train import TrainConfig
+    from ..train import TrainConfig, check_fit
 
     if not isinstance(model, dict):
         fail("model", model, "must be a mapping of LoopConfig fields")
@@ -169,6 +169,7 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     cfg = LoopConfig.from_dict({"vocab_size": vocab_size, **model})
     # periodic checkpoints: a killed pipeline run resumes from the last one instead of starting over
     tc = TrainConfig.from_dict({"seed": seed, "progress": progress, "checkpoint_every": 100, **train})
+    check_fit(cfg, tc)
     return cfg, tc
 
 
