@@ -474,6 +474,9 @@ class LoopLM(nn.Module):
                      coda=True)
         if targets is not None:
             self._check_tokens(targets, "targets", ignore=-100)
+            if targets.shape != tokens.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} is invalid: must equal the tokens' shape "
+                                 f"{tuple(tokens.shape)} (the next token at every position)")
         if targets is not None and not return_logits:
             loss = linear_cross_entropy(p.features, self.head_weight, targets)
             return LoopOutput(None, loss, p.state, p.cache)
