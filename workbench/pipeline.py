@@ -21,7 +21,10 @@ A spec (``pipelines/<name>.yaml``)::
         train: {params: {steps: 5}, grid: {seed: [0]}}
 
 Every parameter is checked against the notebook's declared ones (`papermill.inspect_notebook`) before
-anything runs: unknown names and wrong types are rejected. Each run's key hashes its parameters, the
+anything runs: unknown names, wrong types, non-finite floats and list elements of the wrong type
+(`list[int]`) are rejected, and a notebook may name a library check in its metadata
+(`"workbench": {"check": "workbench.experiments:check_train_notebook"}`) that every run's
+parameters go through, so ranges and config fields fail before any run starts. Each run's key hashes its parameters, the
 notebook's code (cells, not outputs), the workbench version, a digest of the `workbench` package's
 source (`library_digest`) and the keys of the runs it consumes, so a re-run skips what completed and
 reruns only what changed, including after an edit to the library. `status` lists completed runs made

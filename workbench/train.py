@@ -14,6 +14,14 @@ A checkpoint is a folder `ckpt-STEP/` holding `model.safetensors`, `optim.safete
 `state.json` (step, sampler position, RNG state, configs, metrics so far); `latest.json` names the
 newest complete one and is replaced atomically only after the folder is complete, so a run killed
 mid-write resumes from the previous checkpoint.
+
+Nothing is lost and nothing bad is saved: checkpoints come by time (`checkpoint_seconds`, 300 s by
+default) as well as by steps, and SIGINT / SIGTERM save one after the current step before acting as
+the signal would, so a default run resumes. A non-finite loss or gradient norm (before the update)
+or a non-finite parameter or optimiser state (checked before every save) raises `Diverged` naming
+the step; the last finite checkpoint stays and latest.json records the failure. A resumed run must
+keep its seed, data and the settings in RESUME_FIELDS. A loss at chance level (ln V) for
+CHANCE_STEPS steps past warmup is logged (logger "workbench.train") and kept in the metrics' attrs.
 """
 
 from __future__ import annotations
