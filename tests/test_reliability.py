@@ -287,3 +287,16 @@ def test_the_trainer_refuses_to_resume_on_other_data_or_seed(tmp_path):
     with pytest.raises(ValueError, match=r"Differing fields \(checkpoint, now\): \{'seed': \(0, 1\)\}"):
         Trainer(CFG, TrainConfig(steps=4, batch_size=4, seq_len=32, seed=1), byte_data(), out_dir=tmp_path,
                 resume=True)
+
+
+def test_the_trainer_replaces_its_run_only_when_asked(tmp_path):
+    tc = TrainConfig(steps=2, batch_size=4, seq_len=32, progress=False, keep_checkpoints=5, checkpoint_every=1)
+    Trainer(CFG, tc, byte_data(), out_dir=tmp_path).run()
+    (tmp_path / "tokenizer.json").write_text("{}")  # written for the run by whoever made it: it stays
+    with pytest.raises(FileExistsError, match="resume=True to continue it or overwrite=True"):
+        Trainer(CFG, TrainConfig(steps=1, batch_size=4, seq_len=32), byte_data(), out_dir=tmp_path)
+    Trainer(CFG, TrainConfig(steps=1, batch_size=4, seq_len=32, progress=False), byte_data(seed=1), out_dir=tmp_path,
+            overwrite=True).run()
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-00000001"]
+    assert json.loads((tmp_path / "latest.json").read_text())["step"] == 1
+    assert (tmp_path / "tokenizer.json").read_text() == "{}"

@@ -280,11 +280,15 @@ def holds_run(path: str | os.PathLike) -> bool:
                            or any(q.is_dir() for q in p.glob("ckpt-*")))
 
 
-def clear_run(run_dir: str | os.PathLike) -> None:
-    """Remove a run folder's run files (latest.json first, then checkpoints, configs, metrics); others stay."""
+def clear_run(run_dir: str | os.PathLike, checkpoints_only: bool = False) -> None:
+    """Remove a run folder's run files (latest.json first, then checkpoints, configs, metrics); others stay.
+
+    With `checkpoints_only` (a Trainer replacing its own run) config.json and tokenizer.json stay.
+    """
     run = Path(run_dir)
     for name in RUN_FILES:  # the pointer goes first: from then on nothing here looks complete
-        (run / name).unlink(missing_ok=True)
+        if not (checkpoints_only and name in (RUN_CONFIG, TOKENIZER)):
+            (run / name).unlink(missing_ok=True)
     for p in list(run.glob("ckpt-*")) + list(run.glob(".ckpt-*.tmp-*")):
         shutil.rmtree(p, ignore_errors=True)
 

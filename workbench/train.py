@@ -339,7 +339,7 @@ class Trainer:
                     raise FileExistsError(f"out_dir={str(self.out_dir)!r} already holds a run (latest.json): pass "
                                           "resume=True to continue it or overwrite=True to replace it")
                 from .io import clear_run
-                clear_run(self.out_dir)
+                clear_run(self.out_dir, checkpoints_only=True)  # a tokenizer written for this run stays
         if resume:
             self._resume()
         self.train_model = self.model
