@@ -205,6 +205,13 @@ def token_label(tokenizer, token_id):
     return token_label(tokenizer, token_id)
 
 
+def shown_label(tokenizer, token_id):
+    """The label as the predictions chart writes it: shortened and escaped for Plotly's text."""
+    from workbench.viz.explorer import plotly_text, short_label
+
+    return plotly_text(short_label(token_label(tokenizer, token_id)))
+
+
 def test_explorer_shows_the_probe_and_names_a_horizon_dependent_model():
     model = model_(timestep="loop_gate")
     R = 5
@@ -226,7 +233,9 @@ def test_slider_reslices_the_dataset_into_every_figure():
     ex = LoopExplorer(model, CharTokenizer(), text="the loop explorer", max_loops=9, device="cpu")
     v, i = ex.view, ex.token
     assert ex.traces == 1 and set(ex.figures) == {"predictions", "curves", "trajectory", "heatmap"}
-    assert i == v.sizes["token"] - 1 and ex.slider.max == 9
+    # the default token is the last one whose next token is known, so the true next token shows at once
+    assert i == v.sizes["token"] - 2 and v.target_id.values[i] >= 0 and ex.slider.max == 9
+    assert "true next" in ex.figures["predictions"].layout.title.text
     # the loop-independent data: full curves and the heatmap
     np.testing.assert_allclose(ex.figures["curves"].data[0].y, v.loss)
     np.testing.assert_allclose(ex.figures["curves"].data[3 * 3].y, v.kl_prev)
@@ -239,7 +248,7 @@ def test_slider_reslices_the_dataset_into_every_figure():
         f, at = ex.figures, v.sel(loop=r, token=i)
         np.testing.assert_allclose(f["predictions"].data[0].x, at.top_p)
         labels = [y.split(". ", 1)[1] for y in f["predictions"].data[0].y]
-        assert labels == [token_label(ex.tokenizer, int(t)) for t in at.top_id]
+        assert labels == [shown_label(ex.tokenizer, int(t)) for t in at.top_id]
         for m, name in enumerate(("loss", "angular_distance", "relative_update", "kl_prev")):
             assert f["curves"].data[3 * m + 2].x == (r,)
             assert f["curves"].data[3 * m + 2].y == pytest.approx((float(v[name].sel(loop=r)),))
@@ -289,7 +298,59 @@ def test_token_selector_and_prompt():
     ex.prompt.value = "zyxwvu tsr"
     assert ex.traces == 2 and ex.text == "zyxwvu tsr" and ex.loop == 3
     assert list(ex.view.token_id.values) == CharTokenizer().encode("zyxwvu tsr")
-    assert len(ex.token_select.options) == 10 and ex.token == 9 and len(ex.labels) == 10
+    assert len(ex.token_select.options) == 10 and ex.token == 8 and len(ex.labels) == 10
+
+
+class QuoteTokenizer(CharTokenizer):
+    """Characters as themselves (ids = code points below 97 + 32), so a prompt can hold quotes and <, &."""
+
+    def encode(self, text):
+        return [ord(c) - 32 for c in text]
+
+
+def test_titles_show_quotes_and_brackets_as_typed_and_name_the_model():
+    from workbench.viz.explorer import plotly_text, short_label
+
+    model = model_()
+    text = 'say "hi" <b>&'
+    ex = LoopExplorer(model, QuoteTokenizer(), text=text, max_loops=4, device="cpu", source="a test model")
+    ex.set_token(text.index('"'))  # followed by h: the title names the quote it follows
+    title = ex.figures["predictions"].layout.title.text
+    assert '“"”' in title and "&quot;" not in title and "&#" not in title
+    ex.set_token(text.index('"') - 1)  # followed by a quote: the subtitle shows the quote itself
+    assert 'true next ":' in ex.figures["predictions"].layout.title.text
+    ex.set_token(text.index("<") - 1)  # < would start a tag in Plotly's text: it is the entity Plotly decodes
+    assert "true next &lt;:" in ex.figures["predictions"].layout.title.text
+    assert plotly_text("a & <b> \"q\" 'x'") == "a &amp; &lt;b&gt; \"q\" 'x'"
+    assert short_label("␣" * 12 + "x") == "␣×12x" and short_label("abcdefghijklmnopq", 8) == "abcdefg…"
+    # the heatmap's rows are the prompt's tokens, the model box says which model is shown, the slider marks K
+    h = ex.figures["heatmap"].layout.yaxis
+    assert list(h.tickvals) == list(range(len(text))) and h.ticktext[4] == plotly_text(f"4: {ex.labels[4]}")
+    assert "a test model" in ex.path.placeholder and "a test model" in ex.source.value
+    assert f"K={model.cfg.loops}" in ex.k_mark.value and ex._uid in ex.k_mark.value
+    assert ex.figures["trajectory"].data[1].marker.showscale  # the loop colour has its key
+
+
+def test_trajectory_axes_hold_the_path_not_the_outliers():
+    model = model_()
+    ex = LoopExplorer(model, CharTokenizer(), text="a b c d e f g h i j", max_loops=6, device="cpu", dims=2)
+    pca = ex.view.pca.values.copy()
+    pca[3, 0] = [4e4, -4e4]  # one far state, as an attention-sink token makes
+    ex.view["pca"] = (ex.view.pca.dims, pca)
+    ex.set_token(5)
+    (x0, x1), (y0, y1) = ex.figures["trajectory"].layout.xaxis.range, ex.figures["trajectory"].layout.yaxis.range
+    path = pca[:, 5]
+    assert x0 <= path[:, 0].min() and path[:, 0].max() <= x1 and y0 <= path[:, 1].min() and path[:, 1].max() <= y1
+    assert x1 < 1e4 and y0 > -1e4  # the outlier does not set the scale
+    ex.set_token(0)
+    assert ex.figures["trajectory"].layout.xaxis.range[1] >= 4e4  # unless it is on the path shown
+
+
+def test_a_run_folder_shows_in_the_model_box(tmp_path):
+    model = model_()
+    ck = save_checkpoint(tmp_path / "run", model, [], {"step": 1, "model_config": model.cfg.to_json()})
+    ex = LoopExplorer(str(ck), CharTokenizer(), text="abc", max_loops=3, device="cpu")
+    assert ex.path.value == str(ck) and str(ck) in ex.source.value
 
 
 def test_bad_input_shows_a_message_not_a_traceback(tmp_path):

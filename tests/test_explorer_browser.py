@@ -1,5 +1,9 @@
-"""The explorer in a real browser: JupyterLab 4 + headless Chromium run explorer.ipynb, the slider moves
-by keyboard, and the page's plot and predictions change.
+"""What a person sees, in a real browser (headless Chromium): the explorer in JupyterLab 4 (the slider
+moves by keyboard and the page's plot and predictions change), and a smoke pipeline's report and
+executed notebook opened offline from a folder they were moved to. Each test asserts what one would
+read (figure count, axis titles, plot areas with marks in them, no HTML entities shown literally, the
+summary numbers of the runs' results.nc) and leaves screenshots under its temporary folder
+(explorer_loop1.png, explorer_loop5.png, report.png, notebook.png, notebook_without_plotly.png).
 
 The server runs on 127.0.0.1 with a token, a free port (no retries), fresh config, settings and
 workspaces in a temp dir, and a temp copy of the notebook as its root (with a 5-step tiny model, so
@@ -19,6 +23,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from workbench.viz.explorer import DEFAULT_TEXT
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +172,37 @@ PLOT = """sel => { const el = document.querySelector(sel);
           text: gd.textContent}; }"""
 
 
+# what a person sees of every plotly plot on the page: drawn marks (lines, points, heatmap images, bars)
+# and axis titles; `sel` narrows it to the plots under one element
+PLOTS_SEEN = """sel => Array.from(document.querySelectorAll(
+    sel ? sel + '.js-plotly-plot, ' + sel + ' .js-plotly-plot' : '.js-plotly-plot')).map(gd => {
+  const marks = Array.from(gd.querySelectorAll(
+      '.scatterlayer path.js-line, .scatterlayer path.point, .heatmaplayer image, .barlayer path'))
+    .filter(m => (m.getAttribute('d') || m.getAttribute('href') || m.getAttribute('xlink:href') || '').length > 10);
+  const titles = Array.from(gd.querySelectorAll('.infolayer g[class^="g-"][class$="title"]:not(.g-gtitle) text'))
+    .map(t => t.textContent.trim()).filter(Boolean);
+  const box = gd.getBoundingClientRect();
+  return {marks: marks.length, titles: titles, width: box.width, height: box.height,
+          title: (gd.querySelector('.gtitle') || {textContent: ''}).textContent,
+          traces: (gd.data || []).length}; })"""
+
+
+def assert_readable(plots: list, where: str) -> None:
+    """Every plot is drawn (marks inside a non-empty area) and has axis titles."""
+    assert plots, f"{where}: no plot on the page"
+    for p in plots:
+        assert p["width"] > 100 and p["height"] > 100, (where, p)
+        assert p["marks"] > 0, f"{where}: plot {p['title']!r} is blank: {p}"
+        assert p["titles"], f"{where}: plot {p['title']!r} has no axis title"
+
+
+TRAJECTORY = """() => { const el = document.querySelector('.wb-explorer-trajectory');
+  const gd = el.classList.contains('js-plotly-plot') ? el : el.querySelector('.js-plotly-plot');
+  return {colorbars: Array.from(gd.querySelectorAll('.colorbar'))
+            .map(c => (c.querySelector('.cbtitle') || {textContent: ''}).textContent),
+          k_colour: gd._fullData[2].marker.color}; }"""
+
+
 OUTLINE = """() => { const out = [];
   const walk = (e, d) => { if (d > 9 || out.length > 150) return;
     out.push(' '.repeat(d) + e.tagName.toLowerCase() + '.' + (e.getAttribute('class') || '').split(' ').join('.'));
@@ -180,7 +217,7 @@ def test_explorer_runs_in_jupyterlab_and_the_slider_moves_the_plots(lab, tmp_pat
     log: list[str] = []
     with sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                   headless=True, args=ARGS, viewport={"width": 1500, "height": 1100})
+                                                   headless=True, args=ARGS, viewport={"width": 1500, "height": 1700})
         page = ctx.new_page()
         page.on("console", lambda m: log.append(f"console.{m.type}: {m.text}"[:300]) if m.type == "error" else None)
         page.on("pageerror", lambda e: log.append(f"pageerror: {e}"[:300]))
@@ -209,6 +246,19 @@ def test_explorer_runs_in_jupyterlab_and_the_slider_moves_the_plots(lab, tmp_pat
             pred0, curves0 = page.evaluate(PLOT, ".wb-explorer-predictions"), page.evaluate(PLOT, ".wb-explorer-curves")
             heat0 = page.evaluate(PLOT, ".wb-explorer-heatmap")
             assert "loop 1 of 16" in pos0, pos0
+            # the slider marks K, the model box says which model is shown, and every 2-D plot reads
+            k_mark = page.evaluate("() => getComputedStyle(document.querySelector("
+                                   "'.wb-explorer-slider .noUi-target'), '::before').content")
+            assert "K=4" in k_mark, k_mark
+            assert "tiny byte-level model" in page.get_attribute(".wb-explorer .widget-text input", "placeholder")
+            assert "true next" in pred0["text"]  # the default token's next token is known
+            for name in ("predictions", "curves", "heatmap"):
+                assert_readable(page.evaluate(PLOTS_SEEN, f".wb-explorer-{name}"), name)
+            assert "&quot;" not in page.inner_text(".wb-explorer") and "&amp;" not in page.inner_text(".wb-explorer")
+            # the trajectory: one colour key (the loop), and the K diamond keeps its colour
+            traj = page.evaluate(TRAJECTORY)
+            assert traj["colorbars"] == ["loop"] and traj["k_colour"] == "#2ca02c", traj
+            page.locator(".wb-explorer").screenshot(path=str(tmp_path / "explorer_loop1.png"))
 
             handle = page.locator(".wb-explorer .widget-slider .noUi-handle").first
             handle.focus()
@@ -231,12 +281,153 @@ def test_explorer_runs_in_jupyterlab_and_the_slider_moves_the_plots(lab, tmp_pat
             assert "extrapolating 1 loop past K" in page.inner_text(".wb-explorer-position")
             # the slider only re-sliced: the heatmap (one trace's data) is untouched
             assert page.evaluate(PLOT, ".wb-explorer-heatmap")["data"] == heat0["data"]
-            page.locator(".wb-explorer").screenshot(path=str(tmp_path / "explorer.png"))  # for a person to look at
+            for name in ("predictions", "curves", "heatmap"):
+                assert_readable(page.evaluate(PLOTS_SEEN, f".wb-explorer-{name}"), name)
+            page.locator(".wb-explorer").screenshot(path=str(tmp_path / "explorer_loop5.png"))  # for a person
+            # the token before the prompt's first quote: its subtitle shows the quote, not &quot;
+            text = DEFAULT_TEXT
+            i = text.index('"') - 1
+            page.locator(".wb-explorer .widget-dropdown select").select_option(label=f"{i}: ␣")
+            page.wait_for_function(f"() => ({PLOT})('.wb-explorer-predictions').text.includes('(position {i})')",
+                                   timeout=60_000)
+            title = page.evaluate(PLOT, ".wb-explorer-predictions")["text"]
+            assert 'true next ":' in title and "&quot;" not in title, title
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
             print(page.evaluate(OUTLINE))
             print("\n".join(log[-40:]))
             print((tmp_path / "server.log").read_text()[-4000:])
+            raise
+        finally:
+            ctx.close()
+    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+# ---- the pipeline report and an executed notebook ----------------------------------------------------------
+DRAWN = "() => document.body.getAttribute('data-plots-drawn') === '1'"
+NUMBERS = """() => Array.from(document.querySelectorAll('article[data-run]')).map(a => ({
+  run: a.getAttribute('data-run'),
+  numbers: Array.from(a.querySelectorAll('.wb-num')).map(n => [n.getAttribute('data-key'),
+                                                              Number(n.getAttribute('data-value')), n.textContent]),
+  plots: a.querySelectorAll('.js-plotly-plot').length}))"""
+
+
+def expected_numbers(results) -> dict:
+    """The report's headline numbers of a run, read from its results.nc here the obvious way."""
+    import numpy as np
+    import xarray as xr
+
+    ds = xr.load_dataset(results, engine="h5netcdf")
+    out = {}
+    if "loss" in ds and ds.loss.dims == ("loop",):
+        loops, loss = list(ds.loop.values), ds.loss.values
+        best = min(range(len(loss)), key=lambda j: loss[j])
+        out["best_r"], out["loss_at_best"] = loops[best], loss[best]
+        out["loss_at_K"] = loss[loops.index(int(ds.attrs["training_loops"]))]
+    if "test_time_L_inf" in ds:
+        out["fit_L_inf"], out["fit_Z"], out["fit_z"] = (float(ds[f"test_time_{n}"]) for n in ("L_inf", "Z", "z"))
+        out["fit_upto"] = int(ds.test_time_fit_upto)
+    if "lost" in ds:
+        out["lost_1"] = float(ds.lost.sel(k=1))
+        out["rho"] = float(ds.attrs["rho"])
+        out["loops"] = int(ds.attrs["loops"])
+    if "terminal_to_core" in ds and np.isfinite(float(ds.terminal_to_core)):
+        out["terminal_to_core"] = float(ds.terminal_to_core)
+    return out
+
+
+def open_offline(p, tmp_path, log: list):
+    """Return a Chromium context that refuses every request leaving the machine (and notes each one)."""
+    ctx = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
+                                               args=ARGS, viewport={"width": 1300, "height": 1000})
+
+    def route(r):
+        if r.request.url.startswith("file:"):
+            r.continue_()
+        else:
+            log.append(f"blocked {r.request.url}")
+            r.abort()
+
+    ctx.route("**/*", route)
+    return ctx
+
+
+def test_report_and_notebook_read_offline_wherever_the_folder_goes(tmp_path):
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    from workbench import pipeline
+
+    result = pipeline.run("quickstart", profile="smoke", runs_dir=tmp_path / "runs", log=None)
+    assert result.ok, result.summary()
+    # move the pipeline folder elsewhere: the report and notebooks must not lean on where they were made
+    moved = tmp_path / "elsewhere" / "copy of quickstart"
+    shutil.copytree(tmp_path / "runs" / "quickstart", moved)
+    shutil.rmtree(tmp_path / "runs")
+    runs = {f"{d.parent.name}/{d.name}": d for d in moved.glob("*/*") if (d / "run.json").exists()}
+    n_figures = {k: len(list((d / "figures").glob("*.json"))) for k, d in runs.items()}
+    assert len(runs) == 4 and all(n_figures.values())
+    log: list[str] = []
+    with sync_playwright() as p:
+        ctx = open_offline(p, tmp_path, log)
+        page = ctx.new_page()
+        page.on("pageerror", lambda e: log.append(f"pageerror: {e}"[:300]))
+        try:
+            page.goto((moved / "report.html").as_uri())
+            page.wait_for_function(DRAWN, timeout=60_000)
+            seen = page.evaluate(NUMBERS)
+            # one drawn plot per figure each run wrote, every one readable
+            assert {a["run"]: a["plots"] for a in seen} == n_figures
+            plots = page.evaluate(PLOTS_SEEN, "")
+            assert len(plots) == sum(n_figures.values())
+            assert_readable(plots, "report")
+            body = page.inner_text("body")
+            assert "&quot;" not in body and "did not load" not in body
+            # the headline numbers are the runs' results.nc numbers, printed as they are
+            for a in seen:
+                want = expected_numbers(runs[a["run"]] / "results.nc")
+                got = {k: (v, text) for k, v, text in a["numbers"]}
+                assert set(want) <= set(got), (a["run"], sorted(want), sorted(got))
+                for k, v in want.items():
+                    assert got[k][0] == pytest.approx(float(v), rel=1e-12), (a["run"], k)
+                    assert got[k][1].startswith(f"{float(v):.0f}" if k in ("best_r", "fit_upto", "loops")
+                                                else f"{float(v):.3f}"), (a["run"], k, got[k][1])
+            # the test-time fit says what it was fitted on, in the legend of its plot
+            legends = page.evaluate("() => Array.from(document.querySelectorAll('.legendtext')).map(t => t.textContent)")
+            assert any("fitted on loops 1..4" in t for t in legends), legends
+            # links are named as data and stay inside the folder
+            hrefs = page.evaluate("() => Array.from(document.querySelectorAll('a')).map(a => [a.textContent, "
+                                  "a.getAttribute('href')])")
+            assert any(t.startswith("results data (netCDF") for t, _ in hrefs)
+            assert all(not h.startswith(("/", "http")) for _, h in hrefs if h and not h.startswith("#")), hrefs
+            page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+
+            # an executed notebook reads as a report: results first, code collapsed, no echoes
+            key = next(k for k in runs if k.startswith("loop_sweep/"))
+            page.goto((runs[key] / "notebook.html").as_uri())
+            page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= "
+                                   f"{n_figures[key]}", timeout=60_000)
+            nb = nbformat.read(runs[key] / "notebook.ipynb", as_version=4)
+            closed = page.evaluate("() => Array.from(document.querySelectorAll('details.wb-code')).filter("
+                                   "d => !d.open).length")
+            assert closed == sum(c.cell_type == "code" for c in nb.cells)
+            text = page.inner_text("body")
+            assert "Out[" not in text and "PosixPath" not in text and "import " not in text  # no code in sight
+            assert_readable(page.evaluate(PLOTS_SEEN, ""), "notebook")
+            page.screenshot(path=str(tmp_path / "notebook.png"), full_page=True)
+
+            # the same page copied out alone: its plots say plotly.js is missing instead of staying blank
+            alone = tmp_path / "alone"
+            alone.mkdir()
+            shutil.copy(runs[key] / "notebook.html", alone / "notebook.html")
+            page.goto((alone / "notebook.html").as_uri())
+            page.wait_for_selector("#wb-plotly-banner:not([hidden])", timeout=30_000)
+            assert page.locator(".wb-plot .wb-plotly-missing").count() == n_figures[key]
+            page.screenshot(path=str(tmp_path / "notebook_without_plotly.png"))
+            assert not [m for m in log if m.startswith("blocked")], log  # nothing asked for the network
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            print("\n".join(log[-40:]))
             raise
         finally:
             ctx.close()

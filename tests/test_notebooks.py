@@ -104,7 +104,19 @@ def check_results(run_dir: Path, notebook: str) -> xr.Dataset:
     for f in figs:
         fig = json.loads(f.read_text())
         assert fig["data"], f"{f} has no traces"
+    check_no_echoes(run_dir / "notebook.ipynb" if (run_dir / "notebook.ipynb").exists() else None)
     return ds
+
+
+def check_no_echoes(path) -> None:
+    """Assert an executed notebook shows no stray `Out[n]:` echo of a path (what `show(...)` or a save used to leave)."""
+    if path is None:
+        return
+    nb = nbformat.read(path, as_version=4)
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            text = o.get("data", {}).get("text/plain", "") if o.get("output_type") == "execute_result" else ""
+            assert "Path(" not in text, f"{path}: a cell echoes {text!r}:\n{c.source}"
 
 
 @pytest.mark.parametrize("name", PIPELINES)
@@ -122,7 +134,12 @@ def test_smoke_pipeline(name, tmp_path):
     notebooks = {s.name: s.notebook.stem for s in pipe.steps}
     for job in pipeline.expand(pipe, runs):
         check_results(job.dir, notebooks[job.step])
-        assert (job.dir / "notebook.html").exists()
+        page = (job.dir / "notebook.html").read_text()
+        # read as a report: every input collapsed under <details>, no In/Out prompts, nothing from a CDN
+        nb = nbformat.read(job.dir / "notebook.ipynb", as_version=4)
+        assert page.count('<details class="wb-code">') == sum(c.cell_type == "code" for c in nb.cells)
+        assert not re.search(r"(Out|In)(&nbsp;|\s)?\[\d+\]", page), "a cell prompt is shown"
+        assert "cdnjs" not in page and "cdn.jsdelivr" not in page
     assert result.report.exists()
     if name == "quickstart":
         sweep, = pipeline.find_runs("quickstart", "loop_sweep", runs)
@@ -131,15 +148,23 @@ def test_smoke_pipeline(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(STANDALONE))
-def test_standalone_notebook(name, tmp_path):
+def test_standalone_notebook(name, tmp_path, monkeypatch):
     out = tmp_path / "out.ipynb"
     params = dict(STANDALONE[name])
     if name == "explorer":
         params["runs_dir"] = str(tmp_path / "no-runs")  # nothing there: the notebook trains a tiny model
+    cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    temp.mkdir()
+    # the kernel's temporary folder: where the tour writes when no out_dir is given (never the cwd)
+    monkeypatch.setenv("TMPDIR", str(temp))
     papermill.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(out), parameters=params,
-                               cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+                               cwd=str(cwd), kernel_name="python3", progress_bar=False)
     nb = nbformat.read(out, as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+    check_no_echoes(out)
+    assert not list(cwd.iterdir()), f"{name} wrote into its working folder: {list(cwd.iterdir())}"
     if name in DECLARED:
-        check_results(tmp_path, name)
+        made, = temp.glob("looped-tour-*")
+        check_results(made, name)

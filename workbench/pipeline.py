@@ -735,65 +735,341 @@ def clean(spec: str | os.PathLike, runs_dir: str | os.PathLike = "runs", failed_
 
 
 # ---- the report ----------------------------------------------------------------------------------------------
+# The executed notebook as a report: inputs collapsed under "code" (results read first), no In/Out prompts,
+# nothing fetched from the network (no require.js, MathJax or Mermaid from a CDN), plotly.js from the
+# pipeline folder, and a visible message where it did not load.
+_EXPORT_MARK = '<meta name="workbench-export" content="3">'  # bump to rewrite older notebook.html files
+_NOTEBOOK_TEMPLATE = r"""{%- extends 'index.html.j2' -%}
+{%- block html_head_js -%}
+<script src="{{ resources.wb_plotly }}"></script>
+{%- endblock html_head_js -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{% block extra_css %}
+{{ resources.wb_mark }}
+<style>
+details.wb-code > summary { cursor: pointer; color: #666; font-size: 12px; padding: 2px 0 2px 4px;
+  font-family: var(--jp-ui-font-family, sans-serif); }
+details.wb-code { margin: 2px 0 4px 0; }
+.wb-plotly-missing { color: #b00020; border: 1px solid #b00020; padding: 8px; margin: 8px auto; max-width: 1100px;
+  font-family: var(--jp-ui-font-family, sans-serif); font-size: 14px; }
+main { max-width: 1100px; margin: 0 auto; }
+</style>
+{% endblock extra_css %}
+{%- block body_header -%}
+{{ super() }}
+<div id="wb-plotly-banner" class="wb-plotly-missing" hidden>{{ resources.wb_missing }}</div>
+<script>if (typeof window.Plotly === "undefined") document.getElementById("wb-plotly-banner").hidden = false;</script>
+{%- endblock body_header -%}
+{% block input_group -%}
+{%- set tags = cell.metadata.get('tags', []) -%}
+<details class="wb-code"><summary>{{ 'parameters (defaults)' if 'parameters' in tags else
+  ('parameters of this run' if 'injected-parameters' in tags else 'code') }}</summary>
+{{ super() }}
+</details>
+{%- endblock input_group %}
+"""
+
+
 def _notebook_html(run_dir: Path, plotly_rel: str) -> Path | None:
+    """Return the path of run_dir/notebook.html after (re)writing it from the executed notebook (None without one)."""
     nb_path, out = run_dir / "notebook.ipynb", run_dir / "notebook.html"
     if not nb_path.exists():
         return None
     if out.exists() and out.stat().st_mtime >= nb_path.stat().st_mtime:
-        return out
+        with open(out, "rb") as f:
+            if _EXPORT_MARK.encode() in f.read(4096):
+                return out
+    import jinja2
     import nbformat
     from nbconvert import HTMLExporter
 
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nbformat.read(nb_path, as_version=4))
-    # plotly.js first in <head>, before require.js (if any) can claim it as an AMD module
-    body = body.replace("<head>", f'<head>\n<script src="{plotly_rel}"></script>', 1)
+    from .viz.figures import PLOTLY_MISSING
+
+    exporter = HTMLExporter(template_name="lab", template_file="workbench_notebook.html.j2",
+                            extra_loaders=[jinja2.DictLoader({"workbench_notebook.html.j2": _NOTEBOOK_TEMPLATE})],
+                            exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(
+        nbformat.read(nb_path, as_version=4),
+        resources={"wb_plotly": plotly_rel, "wb_mark": _EXPORT_MARK,
+                   "wb_missing": html.escape(f"{PLOTLY_MISSING} (looked for {plotly_rel})")})
     atomic_write_bytes(out, body.encode())
     return out
 
 
+@dataclass
+class Headline:
+    """One number of a run's summary: a stable key, what it is, its value and how the report prints it."""
+
+    key: str
+    label: str
+    value: float
+    text: str
+
+
+def _num(ds, name: str, **sel) -> float | None:
+    if name not in ds:
+        return None
+    da = ds[name]
+    try:
+        da = da.sel(sel) if sel else da
+    except (KeyError, ValueError):
+        return None
+    return float(da) if da.size == 1 else None
+
+
+def headlines(ds) -> list[Headline]:
+    """Return the headline numbers of one run's results Dataset, each read from one of its variables or attrs.
+
+    Best loop count r and the loss there and at K (`loss` over `loop`); the test-time fit L∞, Z, z
+    and the loops it was fitted on; lost(1) and ρ (lost-gradient runs); the terminal-to-core ratio
+    and the angle at the first and last loop (geometry runs); every fitted law parameter with its
+    interval (φ first). Accuracy by group and loop is `accuracy_table`.
+    """
+    import numpy as np
+
+    out: list[Headline] = []
+
+    def add(key, label, value, fmt="{:.3f}", unit="", after=""):
+        if value is not None and np.isfinite(value):
+            out.append(Headline(key, label, float(value), fmt.format(value) + unit + after))
+
+    K = ds.attrs.get("training_loops")
+    loss = ds.get("loss")
+    if loss is not None and loss.dims == ("loop",) and np.isfinite(loss.values).any():
+        i = int(np.nanargmin(loss.values))
+        best = int(loss.loop.values[i])
+        add("best_r", "best loop count r (of those measured)", best, "{:.0f}")
+        add("loss_at_best", f"loss at r = {best}", float(loss.values[i]), unit=" nats/token")
+        if K is not None:
+            add("loss_at_K", f"loss at K = {int(K)}", _num(ds, "loss", loop=int(K)), unit=" nats/token")
+    if "test_time_L_inf" in ds:
+        add("fit_upto", "test-time law L(T) = L∞ + Z·e^(−zT) fitted on loops 1 to", _num(ds, "test_time_fit_upto"),
+            "{:.0f}")
+        add("fit_L_inf", "test-time law L∞", _num(ds, "test_time_L_inf"), unit=" nats/token")
+        add("fit_Z", "test-time law Z", _num(ds, "test_time_Z"), unit=" nats/token")
+        add("fit_z", "test-time law z", _num(ds, "test_time_z"), unit=" per loop")
+    if "lost" in ds and ds.lost.dims == ("k",):
+        add("lost_1", "lost(1): share of |g| truncation to k = 1 throws away", _num(ds, "lost", k=1))
+        add("rho", "ρ: backward shrink of the adjoint per loop", ds.attrs.get("rho"))
+        add("loops", "loops r", ds.attrs.get("loops"), "{:.0f}")
+    if "terminal_to_core" in ds:
+        add("terminal_to_core", "terminal-to-core response ratio", _num(ds, "terminal_to_core"))
+    angle = ds.get("angular_distance")
+    if angle is not None and angle.dims == ("loop",) and "lost" not in ds and "test_time_L_inf" not in ds:
+        first, last = int(angle.loop.values[0]), int(angle.loop.values[-1])
+        add("angle_first", f"angular distance at loop {first}", float(angle.values[0]), unit=" π rad")
+        add("angle_last", f"angular distance at loop {last}", float(angle.values[-1]), unit=" π rad")
+    if "estimate" in ds and "param" in ds.dims:
+        params = ["phi"] if "phi" in ds.param.values else [str(p) for p in ds.param.values]
+        groups = [str(g) for g in ds.group.values] if "group" in ds.dims else [None]
+        for p in params:
+            for g in groups:
+                sel = {"param": p, **({"group": g} if g is not None else {})}
+                est, lo, hi = (_num(ds, v, **sel) for v in ("estimate", "low", "high"))
+                name = {"phi": "φ"}.get(p, p) + (f" ({g})" if g is not None else "")
+                known = lo is not None and hi is not None and bool(np.isfinite([lo, hi]).all())
+                add(f"{p}[{g}]" if g is not None else p, name, est,
+                    after=f" (95% interval {lo:.3f} to {hi:.3f})" if known else "")
+    return out
+
+
+def accuracy_table(ds, max_loops: int = 8) -> tuple[list[str], list[int], list[list[float]]] | None:
+    """Return (groups, loops, accuracy[group][loop]) of a run's `group_accuracy`, or None without one.
+
+    Every loop when there are at most max_loops, else loop 1, K, the best loop per mean accuracy and the last.
+    """
+    import numpy as np
+
+    if "group_accuracy" not in ds or set(ds.group_accuracy.dims) != {"loop", "group"}:
+        return None
+    acc = ds.group_accuracy.transpose("group", "loop")
+    loops = [int(x) for x in acc.loop.values]
+    if len(loops) > max_loops:
+        K = ds.attrs.get("training_loops")
+        mean = np.nan_to_num(acc.mean("group").values, nan=-1)
+        keep = {loops[0], loops[-1], loops[int(mean.argmax())]} | ({int(K)} if K is not None and int(K) in loops else set())
+        loops = sorted(keep)
+    return ([str(g) for g in acc.group.values], loops,
+            [[float(acc.sel(group=g, loop=r)) for r in loops] for g in acc.group.values])
+
+
+_REPORT_CSS = """
+body { font-family: system-ui, sans-serif; margin: 0 auto; padding: 1.5em 2em; max-width: 1400px; color: #222; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 2px solid #ddd; }
+.meta { color: #666; font-size: 13px; } nav a { margin-right: 1em; }
+article.run { border: 1px solid #ddd; border-radius: 6px; padding: 0.6em 1em 1em; margin: 1em 0; }
+article.run.failed { border-color: #c33; background: #fff6f6; } article.run.blocked, article.run.pending { background: #f6f6f6; }
+.run header { display: flex; flex-wrap: wrap; gap: 0.4em 1.2em; align-items: baseline; }
+.run header .key { font-family: monospace; font-size: 14px; } .run header span { font-weight: 600; }
+.run header .done { color: #2a7a2a; } .run header .failed { color: #b00020; }
+.params { font-size: 12px; color: #555; font-family: monospace; word-break: break-word; }
+table.summary { border-collapse: collapse; margin: 0.6em 0; font-size: 14px; }
+table.summary td, table.summary th { border: 1px solid #e3e3e3; padding: 3px 10px; text-align: left; }
+table.summary td.wb-num, table.summary td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.figs { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 12px; }
+figure.wb-figure { margin: 0; border: 1px solid #eee; border-radius: 4px; padding: 4px; min-width: 0; }
+figure.wb-figure figcaption { font-size: 12px; color: #666; padding: 2px 6px; }
+.links { font-size: 13px; margin-top: 0.6em; } .links a { margin-right: 1.2em; }
+pre.err { white-space: pre-wrap; color: #900; font-size: 12px; }
+.wb-plotly-missing { color: #b00020; border: 1px solid #b00020; padding: 8px; }
+"""
+
+# draws every figure of the page in turn (one per frame, so a long report stays responsive); the shared
+# plotly templates are stored once and put back into each layout
+_REPORT_JS = """
+(function () {
+  var banner = document.getElementById("wb-plotly-banner");
+  var plots = Array.prototype.slice.call(document.querySelectorAll("div.wb-plot[data-figure]"));
+  if (typeof window.Plotly === "undefined") {
+    banner.hidden = false;
+    plots.forEach(function (el) { el.style.height = "auto"; el.innerHTML = banner.innerHTML; });
+    return;
+  }
+  var templates = JSON.parse(document.getElementById("wb-templates").textContent);
+  function next() {
+    var el = plots.shift(); if (!el) { document.body.setAttribute("data-plots-drawn", "1"); return; }
+    var f = JSON.parse(document.getElementById(el.getAttribute("data-figure")).textContent);
+    if (f.layout && typeof f.layout.template === "string") f.layout.template = templates[f.layout.template];
+    window.Plotly.newPlot(el, f.data, f.layout, {responsive: true, displaylogo: false})
+      .then(function () { el.setAttribute("data-drawn", "1"); window.requestAnimationFrame(next); },
+            function (e) { el.textContent = "this figure could not be drawn: " + e; window.requestAnimationFrame(next); });
+  }
+  next();
+})();
+"""
+
+
+def _figure_files(run_dir: Path) -> list[Path]:
+    """Return the run's figures/*.json in the order the notebook wrote them (then by name)."""
+    files = list((run_dir / "figures").glob("*.json"))
+    return sorted(files, key=lambda f: (f.stat().st_mtime, f.name))
+
+
+def _run_article(job: RunJob, rec: dict | None, root: Path, templates: dict, data_blocks: list) -> str:
+    """Return the HTML of one run: state, parameters, headline numbers, its figures inline and links to its data."""
+    import xarray as xr
+
+    esc = html.escape
+    state = rec["status"] if rec else "pending"
+    rel = f"{job.step}/{job.key}"
+    shown = {k: (f"run {Path(v).name}" if isinstance(v, str) and Path(v).parent.parent == root else
+                 f"{len(v)} runs" if isinstance(v, list) and v and str(v[0]).startswith(str(root)) else v)
+             for k, v in job.params.items()}
+    params = ", ".join(f"{esc(str(k))}={esc(json.dumps(v, default=str))}" for k, v in shown.items())
+    secs = f"{rec['seconds']:.1f} s" if rec and rec.get("seconds") is not None else ""
+    parts = [f'<article class="run {state}" id="run-{esc(job.step)}-{job.key}" data-run="{esc(rel)}">',
+             f'<header><span class="key">{esc(job.step)} · {job.key}</span><span class="{state}">{state}</span>'
+             f"<span>{secs}</span></header>", f'<div class="params">{params}</div>']
+    if rec and rec.get("error"):
+        parts.append(f'<pre class="err">{esc(rec["error"])}</pre>')
+    results = job.dir / "results.nc"
+    if rec and results.exists():
+        try:
+            with xr.open_dataset(results, engine="h5netcdf") as ds:
+                heads, table = headlines(ds.load()), accuracy_table(ds)
+        except Exception as e:  # an unreadable file is shown, not fatal to the report
+            heads, table = [], None
+            parts.append(f'<pre class="err">results.nc could not be read: {esc(str(e))}</pre>')
+        if heads:
+            rows = "".join(f'<tr><th>{esc(h.label)}</th><td class="wb-num" data-key="{esc(h.key)}" '
+                           f'data-value="{h.value!r}">{esc(h.text)}</td></tr>' for h in heads)
+            parts.append(f'<table class="summary headlines">{rows}</table>')
+        if table:
+            groups, loops, acc = table
+            head = "".join(f"<th>r = {r}</th>" for r in loops)
+            body = "".join(f"<tr><th>{esc(g)}</th>" + "".join(
+                f'<td class="wb-num" data-key="accuracy[{esc(g)}][{r}]" data-value="{a!r}">{a:.3f}</td>'
+                for r, a in zip(loops, row)) + "</tr>" for g, row in zip(groups, acc))
+            parts.append(f'<table class="summary accuracy"><tr><th>accuracy (fraction) by group</th>{head}</tr>'
+                         f"{body}</table>")
+    figs = _figure_files(job.dir) if rec else []
+    if figs:
+        parts.append('<div class="figs">')
+        for f in figs:
+            spec = json.loads(f.read_text())
+            layout = spec.setdefault("layout", {})
+            t = layout.get("template")
+            if isinstance(t, dict):  # a plotly template is ~7 kB: store each distinct one once per page
+                key = hashlib.sha256(json.dumps(t, sort_keys=True).encode()).hexdigest()[:12]
+                templates.setdefault(key, t)
+                layout["template"] = key
+            layout.pop("width", None)  # the page's grid sets the width
+            data_id = f"fig-{len(data_blocks)}"
+            data_blocks.append(f'<script type="application/json" id="{data_id}">'
+                               f'{json.dumps(spec).replace("</", "<" + chr(92) + "/")}</script>')
+            height = int(layout.get("height") or 400)
+            parts.append(f'<figure class="wb-figure"><div class="wb-plot" data-figure="{data_id}" '
+                         f'style="height:{height}px;width:100%"></div><figcaption>{esc(f.stem)} · '
+                         f'<a href="{rel}/figures/{esc(f.name)}" download>figure data (plotly JSON)</a>'
+                         f"</figcaption></figure>")
+        parts.append("</div>")
+    links = []
+    if rec and (job.dir / "notebook.html").exists():
+        links.append(f'<a href="{rel}/notebook.html">executed notebook (code and output)</a>')
+    if rec and results.exists():
+        links.append(f'<a href="{rel}/results.nc" download>results data (netCDF: xarray.open_dataset)</a>')
+    if rec and (job.dir / "metrics.nc").exists():
+        links.append(f'<a href="{rel}/metrics.nc" download>training metrics (netCDF)</a>')
+    if rec:
+        links.append(f'<a href="{rel}/run.json">run record (JSON)</a>')
+    if links:
+        parts.append(f'<div class="links">{"".join(links)}</div>')
+    parts.append("</article>")
+    return "\n".join(parts)
+
+
 def report(spec: str | os.PathLike | Pipeline, profile: str | None = None,
            runs_dir: str | os.PathLike = "runs") -> Path:
-    """Return the path of runs/<pipeline>/report.html after (re)writing it and each run's notebook.html."""
+    """Return the path of runs/<pipeline>/report.html after (re)writing it and each run's notebook.html.
+
+    The page shows every run's state, parameters and headline numbers (`headlines`, `accuracy_table`)
+    and draws every figure it wrote, from JSON embedded in the page with the plotly.min.js written
+    beside it; links are relative, so the pipeline folder opens offline wherever it is copied.
+    """
+    from plotly.offline import get_plotlyjs
+
+    from .viz.figures import PLOTLY_MISSING
+
     pipe = spec if isinstance(spec, Pipeline) else load_spec(spec, profile)
     root = Path(runs_dir).resolve() / pipe.name
     root.mkdir(parents=True, exist_ok=True)
-    plotly_js = root / "plotly.min.js"
-    if not plotly_js.exists():
-        from plotly.offline import get_plotlyjs
-
-        atomic_write_bytes(plotly_js, get_plotlyjs().encode())
+    plotly_js, js = root / "plotly.min.js", get_plotlyjs().encode()
+    if not plotly_js.exists() or plotly_js.stat().st_size != len(js) or plotly_js.read_bytes() != js:
+        atomic_write_bytes(plotly_js, js)
     esc = html.escape
-    rows = []
-    for job in expand(pipe, runs_dir):
-        rec = read_record(job.dir)
-        state = rec["status"] if rec else "pending"
-        links = []
-        if rec:
-            nb_html = _notebook_html(job.dir, "../../plotly.min.js")
-            if nb_html is not None:
-                links.append(f'<a href="{job.step}/{job.key}/notebook.html">notebook</a>')
-            if (job.dir / "results.nc").exists():
-                links.append(f'<a href="{job.step}/{job.key}/results.nc">results.nc</a>')
-            links += [f'<a href="{job.step}/{job.key}/figures/{f.name}">{esc(f.stem)}</a>'
-                      for f in sorted((job.dir / "figures").glob("*.json"))]
-        shown = {k: (f"run {Path(v).name}" if isinstance(v, str) and Path(v).parent.parent == root else
-                     f"{len(v)} runs" if isinstance(v, list) and v and str(v[0]).startswith(str(root)) else v)
-                 for k, v in job.params.items()}
-        params = ", ".join(f"{esc(str(k))}={esc(json.dumps(v, default=str))}" for k, v in shown.items())
-        err = f'<pre class="err">{esc(rec["error"])}</pre>' if rec and rec.get("error") else ""
-        secs = f"{rec['seconds']:.1f}" if rec and rec.get("seconds") is not None else ""
-        rows.append(f'<tr class="{state}"><td>{esc(job.step)}</td><td><code>{job.key}</code></td>'
-                    f"<td>{state}</td><td>{secs}</td><td>{params}</td><td>{' · '.join(links)}{err}</td></tr>")
+    templates: dict = {}
+    data_blocks: list[str] = []
+    sections, counts = [], {}
+    jobs = expand(pipe, runs_dir)
+    for step in pipe.steps:
+        articles = []
+        for job in (j for j in jobs if j.step == step.name):
+            rec = read_record(job.dir)
+            counts[rec["status"] if rec else "pending"] = counts.get(rec["status"] if rec else "pending", 0) + 1
+            if rec:
+                _notebook_html(job.dir, "../../plotly.min.js")
+            articles.append(_run_article(job, rec, root, templates, data_blocks))
+        sections.append(f'<section id="step-{esc(step.name)}"><h2>{esc(step.name)} '
+                        f'<span class="meta">notebook {esc(step.notebook.name)} · {len(articles)} '
+                        f'run{"s" * (len(articles) != 1)}</span></h2>\n' + "\n".join(articles) + "</section>")
+    nav = " ".join(f'<a href="#step-{esc(s.name)}">{esc(s.name)}</a>' for s in pipe.steps)
+    tally = ", ".join(f"{n} {s}" for s, n in counts.items())
+    templates_json = json.dumps(templates).replace("</", "<" + chr(92) + "/")
     page = f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{esc(pipe.name)} pipeline</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top;font-size:13px}}
-tr.failed td{{background:#fdd}} tr.blocked td,tr.pending td{{background:#eee}} pre.err{{white-space:pre-wrap;color:#900}}
-</style></head><body>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{esc(pipe.name)} pipeline</title>
+<script src="plotly.min.js"></script>
+<style>{_REPORT_CSS}</style></head><body>
 <h1>Pipeline <code>{esc(pipe.name)}</code>{f" (profile {esc(pipe.profile)})" if pipe.profile else ""}</h1>
-<p>{esc(pipe.description)}</p><p>spec: <code>{esc(str(pipe.path))}</code>; written {_now()}</p>
-<table><tr><th>step</th><th>run</th><th>status</th><th>seconds</th><th>parameters</th><th>outputs</th></tr>
-{chr(10).join(rows)}
-</table></body></html>
+<p>{esc(pipe.description)}</p>
+<p class="meta">{tally} · spec <code>{esc(str(pipe.path))}</code> · written {_now()}</p>
+<div id="wb-plotly-banner" class="wb-plotly-missing" hidden>{esc(PLOTLY_MISSING)}</div>
+<nav>steps: {nav}</nav>
+{chr(10).join(sections)}
+<script type="application/json" id="wb-templates">{templates_json}</script>
+{chr(10).join(data_blocks)}
+<script>{_REPORT_JS}</script>
+</body></html>
 """
     return atomic_write_bytes(root / "report.html", page.encode())

@@ -32,6 +32,7 @@ from ..io import open_run
 from ..models.looped import LoopLM
 from ..config import check_int
 from ..probes.view import loop_view
+from .figures import integer_ticks
 
 DEFAULT_TEXT = ('def greet(name):\n    """Return a greeting for name."""\n'
                 '    return "Hello, " + name + "!"\n')
@@ -46,6 +47,23 @@ FIGURES = ("predictions", "curves", "trajectory", "heatmap")
 
 class ExplorerInputError(ValueError):
     """Input the explorer cannot show (bad prompt, checkpoint or tokenizer); its text goes in the widget."""
+
+
+def plotly_text(text: str) -> str:
+    """Return text safe inside a Plotly title or label: `&`, `<` and `>` as the entities Plotly decodes.
+
+    Plotly's text is a small HTML subset that decodes only a few entities (`&amp;`, `&lt;`, `&gt;`,
+    numeric ones); `html.escape`'s `&quot;` and `&#x27;` would show literally, so quotes stay as they are.
+    """
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def short_label(label: str, width: int = 14) -> str:
+    """Return a token label for an axis tick: runs of 4+ visible spaces as ␣×n, cut to `width` with an ellipsis."""
+    import re
+
+    label = re.sub(r"␣{4,}", lambda m: f"␣×{len(m.group(0))}", label)
+    return label if len(label) <= width else label[:width - 1] + "…"
 
 
 def token_label(tokenizer, token_id: int) -> str:
@@ -84,6 +102,10 @@ def open_path(path, tokenizer=None, device=None) -> tuple[LoopLM, object]:
 
 
 # ---- the widget ----------------------------------------------------------------------------------------
+def _integer_ticks(R: int) -> dict:
+    return integer_ticks([0, R] if R > 12 else [1, R])
+
+
 def _shape_line(x: float, xref: str, yref: str, dash: str, color: str) -> dict:
     return dict(type="line", x0=x, x1=x, y0=0, y1=1, xref=xref, yref=yref,
                 line=dict(color=color, width=1.5, dash=dash))
@@ -93,12 +115,14 @@ class LoopExplorer:
     """A loop slider, prompt box and token selector over four live FigureWidgets of one cached trace.
 
     `model` is a LoopLM (with `tokenizer`) or a run / checkpoint folder (opened by `io.open_run`,
-    with the run's tokenizer). Display it in a notebook as the last expression of a cell (or
+    with the run's tokenizer; the folder then shows in the model box). `source` says where a LoopLM
+    given directly came from (e.g. `experiments.open_model`'s third value); the model box and the
+    line above it show it. Display it in a notebook as the last expression of a cell (or
     `display(explorer.widget)`). `view` is the `loop_view` Dataset on screen, `labels` its tokens' labels.
     """
 
     def __init__(self, model, tokenizer=None, text: str = DEFAULT_TEXT, max_loops: int | None = None, *,
-                 top_k: int = 10, dims: int = 3, device=None):
+                 top_k: int = 10, dims: int = 3, device=None, source: str | None = None):
         import ipywidgets as W
 
         if max_loops is not None:
@@ -122,8 +146,14 @@ class LoopExplorer:
                                  layout=W.Layout(width="98%", height="80px"))
         self.slider = W.IntSlider(value=1, min=1, max=max_loops or 16, description="loops",
                                   continuous_update=True, layout=W.Layout(width="55%"))
+        # the slider's K mark: CSS drawn on this slider's track only (ipywidgets sliders have no ticks)
+        self._uid = f"wb{id(self):x}"
+        self.slider.add_class(f"wb-explorer-slider-{self._uid}")
+        self.slider.add_class("wb-explorer-slider")
+        self.k_mark = W.HTML()
         self.position = W.HTML()  # where the loop stands against K: the slider's horizon mark
         self.token_select = W.Dropdown(description="token", layout=W.Layout(width="40%"))
+        self._source_arg = None if source is None else str(source)
         self.path = W.Text(placeholder="checkpoint or run folder", description="model",
                            layout=W.Layout(width="60%"))
         self.load_button = W.Button(description="load", tooltip="load the checkpoint and trace the prompt")
@@ -144,6 +174,7 @@ class LoopExplorer:
             W.HBox([self.path, self.load_button]),
             self.prompt,
             W.HBox([self.slider, self.position]),
+            self.k_mark,
             self.token_select,
             self.status,
             # rows wrap on a narrow page rather than clip the figures
@@ -191,23 +222,29 @@ class LoopExplorer:
         the model shown before stays.
         """
         if isinstance(model, (str, os.PathLike)):
-            source = f"{os.fspath(model)} · "
+            folder = os.fspath(model)
             model, tokenizer = open_path(model, tokenizer, self.device)
+            where = folder
         else:
             check_fit(model, tokenizer)
             model = model.to(self.device)
-            source = ""
-        old = (self.model, self.tokenizer, self.source.value)
+            folder, where = None, self._source_arg if self.model is None else None
+        old = (self.model, self.tokenizer, self.source.value, self.path.value, self.path.placeholder)
         self.model, self.tokenizer = model, tokenizer
         c = model.cfg
-        self.source.value = html.escape(f"{source}{c.notation} · d={c.d_model} · vocab={c.vocab_size} · "
-                                        f"context {c.max_seq_len} · trained at K={c.loops} · {self.device}")
+        self.source.value = html.escape(f"{where + ' · ' if where else ''}{c.notation} · d={c.d_model} · "
+                                        f"vocab={c.vocab_size} · context {c.max_seq_len} · trained at K={c.loops} · "
+                                        f"{self.device}")
+        # the model box names the model shown: its folder, else where it came from (type a folder to change it)
+        self.path.value = folder or ""
+        self.path.placeholder = (f"{where or 'a model given in code'} (type a run folder and press load to "
+                                 f"change it)") if folder is None else "checkpoint or run folder"
         try:
             self._retrace(self.text)
         except Exception:
             # keep the model whose view is on screen; with none yet, keep the new one so a prompt can follow
             if self.view is not None:
-                self.model, self.tokenizer, self.source.value = old
+                self.model, self.tokenizer, self.source.value, self.path.value, self.path.placeholder = old
             raise
 
     def set_text(self, text: str) -> None:
@@ -247,7 +284,8 @@ class LoopExplorer:
         if len(ids) == 1:
             notes.append("a one-token prompt has no next token in it: the loss curve is empty")
         self._say("\n".join(notes), "warning" if note else "info")
-        self.token = len(ids) - 1  # the last position: its prediction continues the prompt
+        # the last position whose next token is in the prompt, so the true next token shows from the start
+        self.token = max(len(ids) - 2, 0)
         self.loop = min(self.loop, R)
         self._sync_controls()
         self._draw_view()
@@ -283,12 +321,25 @@ class LoopExplorer:
         try:
             self.slider.max = v.sizes["loop"]
             self.slider.value = self.loop
+            self.k_mark.value = self._k_mark_css(int(v.attrs["training_loops"]), v.sizes["loop"])
             self.token_select.options = [(f"{i}: {lab}", i) for i, lab in enumerate(self.labels)]
             self.token_select.value = self.token
             if self.prompt.value != self.text:
                 self.prompt.value = self.text
         finally:
             self._syncing = False
+
+    def _k_mark_css(self, K: int, R: int) -> str:
+        """Return a <style> that draws a tick and "K" on this explorer's slider track at loop K (none if K > R)."""
+        if R <= 1 or not 1 <= K <= R:
+            return ""
+        at = 100 * (K - 1) / (R - 1)
+        sel = f".wb-explorer-slider-{self._uid} .noUi-target"
+        return (f"<style>{sel}::after {{ content: ''; position: absolute; left: calc({at:.3f}% - 1px); top: -5px; "
+                f"bottom: -5px; width: 2px; background: #2ca02c; z-index: 3; pointer-events: none; }}"
+                f"{sel}::before {{ content: 'K={K}'; position: absolute; left: {at:.3f}%; top: calc(100% + 5px); "
+                f"transform: translateX(-50%); font-size: 10px; line-height: 1; color: #2ca02c; z-index: 3; "
+                f"pointer-events: none; white-space: nowrap; }}</style>")
 
     # ---- figures ----------------------------------------------------------------------------------
     def _build_figures(self) -> dict:
@@ -298,9 +349,10 @@ class LoopExplorer:
         base = dict(template="plotly_white", margin=dict(l=50, r=20, t=50, b=40))
         pred = go.FigureWidget(go.Bar(orientation="h", x=[], y=[], text=[], textposition="auto",
                                       hovertemplate="%{y}: p=%{x:.4f}<extra></extra>"))
-        pred.update_layout(height=380, width=360, xaxis=dict(title="probability", range=[0, 1]),
-                           yaxis=dict(autorange="reversed", type="category"), title=dict(font=dict(size=13)),
-                           **base)
+        # automargin: a long token label widens the margin instead of being cut at the left edge
+        pred.update_layout(height=380, width=380, xaxis=dict(title="probability", range=[0, 1]),
+                           yaxis=dict(autorange="reversed", type="category", automargin=True),
+                           title=dict(font=dict(size=13)), **base)
 
         sub = make_subplots(rows=2, cols=2, subplot_titles=[t for _, t in METRICS],
                             horizontal_spacing=0.12, vertical_spacing=0.18)
@@ -320,7 +372,9 @@ class LoopExplorer:
         # shapes[0:n] mark K (dashed); shapes[n:2n] are the cursor at the chosen loop
         curves.update_layout(shapes=[_shape_line(1, x, y, "dash", "#888") for x, y in refs]
                              + [_shape_line(1, x, y, "solid", "#d62728") for x, y in refs])
-        curves.update_layout(height=380, width=660, legend=dict(orientation="h", y=-0.12), **base)
+        curves.update_layout(height=400, width=660, legend=dict(orientation="h", y=-0.16), **base)
+        curves.update_xaxes(tickformat="d")
+        curves.update_xaxes(title=dict(text="loop t", standoff=4), row=2)
         curves.update_annotations(font_size=11)
 
         if self.dims == 3:
@@ -334,7 +388,9 @@ class LoopExplorer:
             S(**xyz, mode="markers", marker=marker_small, name="all tokens at this loop", text=[],
               hovertemplate="%{text}<extra></extra>"),
             S(**xyz, mode="lines+markers", name="selected token, loops 0..R", text=[],
-              marker=dict(size=4 if self.dims == 3 else 7, color=[], colorscale="Viridis", showscale=False),
+              marker=dict(size=4 if self.dims == 3 else 7, color=[], colorscale="Viridis", showscale=True,
+                          colorbar=dict(title=dict(text="loop", side="top"), thickness=10, len=0.5, x=1.0, y=0.5,
+                                        tickformat="d")),
               line=dict(color="#888", width=2), hovertemplate="%{text}<extra></extra>"),
             S(**xyz, mode="markers", name="loop K", marker=dict(size=(6 if self.dims == 3 else 12), color="#2ca02c",
                                                               symbol="diamond"), hoverinfo="skip"),
@@ -348,8 +404,8 @@ class LoopExplorer:
                                           colorbar=dict(title=dict(text="log10 update", side="right"), thickness=14),
                                           hovertemplate="position %{y}, loop %{x}<br>log10 update %{z:.2f}"
                                                         "<extra></extra>"))
-        heat.update_layout(height=440, width=520, xaxis=dict(title="loop"),
-                           yaxis=dict(title="position", autorange="reversed"),
+        heat.update_layout(height=440, width=520, xaxis=dict(title="loop", tickformat="d"),
+                           yaxis=dict(title="token (position: text)", autorange="reversed", automargin=True),
                            title=dict(text="relative update per token and loop", font=dict(size=13)),
                            shapes=[_shape_line(1, "x", "y domain", "solid", "#00e5ff"),
                                    dict(type="line", x0=0, x1=1, y0=0, y1=0, xref="x domain", yref="y",
@@ -368,32 +424,55 @@ class LoopExplorer:
                 c.data[3 * i].x, c.data[3 * i].y = loops, v[name].values
                 c.data[3 * i + 1].x = loops
                 c.layout.shapes[i].x0 = c.layout.shapes[i].x1 = K
-            c.update_xaxes(range=[0.5, R + 0.5])
+            c.update_xaxes(range=[0.5, R + 0.5], **_integer_ticks(R))
             c.layout.title = dict(text=f"per-loop drift (dashed: trained at K={K})", font=dict(size=13))
         h = self.figures["heatmap"]
         with h.batch_update():
             z = np.log10(np.maximum(v.token_relative_update.values.T, 1e-12))
             h.data[0].z, h.data[0].x, h.data[0].y = z, loops, v.token.values
-            h.data[0].text = np.broadcast_to(np.array(labels, dtype=object)[:, None], z.shape)
+            h.data[0].text = np.broadcast_to(np.array([plotly_text(lab) for lab in labels], dtype=object)[:, None],
+                                             z.shape)
             h.data[0].hovertemplate = ("position %{y} %{text}, loop %{x}<br>log10 update %{z:.2f}"
                                        "<extra></extra>")
+            # rows named by their token text (every n-th row on a long prompt, so the labels stay legible)
+            step = max(1, int(np.ceil(len(labels) / 40)))
+            rows = list(range(0, len(labels), step))
+            h.layout.yaxis.tickmode = "array"
+            h.layout.yaxis.tickvals = rows
+            h.layout.yaxis.ticktext = [plotly_text(f"{i}: {short_label(labels[i])}") for i in rows]
+            h.layout.xaxis.update(**_integer_ticks(R))
         t = self.figures["trajectory"]
         with t.batch_update():
-            pts = v.pca.values.reshape(-1, self.dims)
-            lo, hi = pts.min(0), pts.max(0)
-            pad = 0.05 * np.maximum(hi - lo, 1e-6)
-            ranges = [[float(a - p), float(b + p)] for a, b, p in zip(lo, hi, pad)]
             share = ", ".join(f"{100 * s:.0f}%" for s in v.explained_variance.values)
             t.layout.title.text = f"hidden state, PCA over all loops and tokens (variance {share})"
-            if self.dims == 3:
-                t.layout.scene = dict(xaxis=dict(range=ranges[0], title="PC1"),
-                                      yaxis=dict(range=ranges[1], title="PC2"),
-                                      zaxis=dict(range=ranges[2], title="PC3"), aspectmode="cube")
-            else:
-                t.layout.xaxis = dict(range=ranges[0], title="PC1")
-                t.layout.yaxis = dict(range=ranges[1], title="PC2")
             t.data[0].text = labels
+        # its own update: a batch restyles every trace it touches, and a property one trace lacks goes
+        # to the others as null, which plotly.js reads as "reset" (a colour bar on trace 0, a lost colour)
+        t.data[1].marker.colorbar.update(**_integer_ticks(R))
         self._draw_token()
+
+    def _trajectory_ranges(self) -> list[list[float]]:
+        """Return axis ranges that hold the selected token's whole path and the middle 96% of all states.
+
+        A few states far out (an attention-sink token, h0 of the first position) would otherwise
+        stretch the axes so that every other path fills a corner; the ones outside are clipped.
+        """
+        v = self.view
+        pts = v.pca.values.reshape(-1, self.dims)
+        path = v.pca.values[:, self.token]
+        lo = np.minimum(np.percentile(pts, 2, axis=0), path.min(0))
+        hi = np.maximum(np.percentile(pts, 98, axis=0), path.max(0))
+        pad = 0.06 * np.maximum(hi - lo, 1e-6)
+        return [[float(a - p), float(b + p)] for a, b, p in zip(lo, hi, pad)]
+
+    def _set_trajectory_axes(self, t) -> None:
+        ranges = self._trajectory_ranges()
+        if self.dims == 3:
+            t.layout.scene = dict(xaxis=dict(range=ranges[0], title="PC1"), yaxis=dict(range=ranges[1], title="PC2"),
+                                  zaxis=dict(range=ranges[2], title="PC3"), aspectmode="cube")
+        else:
+            t.layout.xaxis = dict(range=ranges[0], title="PC1")
+            t.layout.yaxis = dict(range=ranges[1], title="PC2")
 
     def _draw_token(self) -> None:
         """Put the selected token's data (its curves, trajectory, heatmap row) in the figures, then the loop."""
@@ -407,10 +486,12 @@ class LoopExplorer:
         t = self.figures["trajectory"]
         R, K = v.sizes["loop"], int(v.attrs["training_loops"])
         path = v.pca.values[:, i]  # states 0..R
-        with t.batch_update():
+        with t.batch_update():  # trace 1's own properties (see _draw_view: one batch per set of properties)
+            self._set_trajectory_axes(t)
             self._set_xyz(t.data[1], path)
             t.data[1].marker.color = np.arange(R + 1)
             t.data[1].text = [f"{self.labels[i]} · loop {r}" for r in range(R + 1)]
+        with t.batch_update():
             self._set_xyz(t.data[2], path[K:K + 1] if K <= R else path[:0])
         h = self.figures["heatmap"]
         with h.batch_update():
@@ -435,16 +516,18 @@ class LoopExplorer:
                                f'trained at K = {K} · {past}</span>')
         p = self.figures["predictions"]
         ids, probs = v.top_id.values[j, i], v.top_p.values[j, i]
-        names = [f"{rank + 1}. {token_label(self.tokenizer, int(t))}" for rank, t in enumerate(ids)]
+        names = [plotly_text(f"{rank + 1}. {short_label(token_label(self.tokenizer, int(t)))}")
+                 for rank, t in enumerate(ids)]
         nxt = int(v.target_id.values[i])
         with p.batch_update():
             p.data[0].x, p.data[0].y = probs, names
             p.data[0].text = [f"{100 * q:.1f}%" for q in probs]
             p.data[0].marker.color = ["#d62728" if int(t) == nxt else "#1f77b4" for t in ids]
             truth = (f"true next {token_label(self.tokenizer, nxt)}: p={v.target_p.values[j, i]:.3f}, "
-                     f"rank {int(v.target_rank.values[j, i])}" if nxt >= 0 else "end of prompt")
-            p.layout.title.text = (f"after “{html.escape(self.labels[i])}” (position {i}) at loop {r}"
-                                   f"<br><sub>{html.escape(truth)}</sub>")
+                     f"rank {int(v.target_rank.values[j, i])}" if nxt >= 0 else
+                     "end of prompt: the next token is unknown")
+            p.layout.title.text = (f"after “{plotly_text(short_label(self.labels[i], 24))}” (position {i}) at loop "
+                                   f"{r}<br><span style='font-size:11px'>{plotly_text(truth)}</span>")
         c = self.figures["curves"]
         n = len(METRICS)
         with c.batch_update():
