@@ -181,6 +181,7 @@ FORWARD = [
     ("tokens holds token id 200", dict(tokens=[[1, 200]])),
     ("tokens holds token id -1", dict(tokens=[[-1, 2]])),
     ("targets holds token id 500", dict(tokens=[[1, 2]], targets=[[1, 500]])),
+    ("labels holds token id 500", dict(tokens=[[1, 2]], labels=torch.full((1, 2, 2), 500))),
     ("targets shape (1, 3) is invalid: must equal the tokens' shape (1, 2)", dict(tokens=[[1, 2]], targets=[[1, 2, 3]])),
     ("tokens dtype=torch.float32", dict(tokens=torch.tensor([[1.0, 2.0]]))),
     ("tokens must be a non-empty [batch, seq] tensor of token ids, got (0, 5)", dict(tokens=torch.zeros(0, 5, dtype=torch.long))),

@@ -7,7 +7,8 @@ load without torch.
 from importlib import import_module
 
 _WHERE = {"LoopLM": ".looped", "LoopOutput": ".looped", "LoopTrace": ".looped", "lm_loss": ".looped",
-          "mlp_widths": ".taper", "flops_per_token": ".flops"}
+          "mlp_widths": ".taper", "flops_per_token": ".flops", "ExitRule": ".generate", "ExitGate": ".generate",
+          "KVCache": ".generate"}
 __all__ = list(_WHERE)
 
 

@@ -109,8 +109,12 @@ class Attention(nn.Module):
         self.qkv_adapter = Adapter(d_model, self.qkv.out_features, adapter_rank) if adapter_rank else None
         self.o_adapter = Adapter(self.o.in_features, d_model, adapter_rank) if adapter_rank else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Return the attention output [B, T, d] for input x [B, T, d]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv=None) -> torch.Tensor:
+        """Return the attention output [B, T, d] for input x [B, T, d].
+
+        `kv` is this occurrence's key/value cache entry (models.generate.KVEntry): it stores the new keys
+        and values and attends over every cached position; rope then holds the new positions' tables.
+        """
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         # Three matmuls on row slices of the fused weight rather than one matmul split afterwards: the
@@ -121,11 +125,15 @@ class Attention(nn.Module):
                    for i, j in ((0, H * hd), (H * hd, (H + KV) * hd), ((H + KV) * hd, (H + 2 * KV) * hd)))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if KV != H:
+        if kv is None and KV != H:
             # repeat rather than enable_gqa: the CPU flash kernel does not take enable_gqa
             k = k.repeat_interleave(H // KV, dim=1)
             v = v.repeat_interleave(H // KV, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * hd)
+        if kv is not None:  # cached generation: the entry stores k, v and attends over every cached position
+            y = kv.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)
         if self.o_adapter is None:
             return self.o(y)
         return _linear(y, self.o.weight, self.o.bias, self.o_adapter, self.o_adapter.down(y))
@@ -181,14 +189,17 @@ class Block(nn.Module):
             y = y * mod[0]
         return y
 
-    def delta(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None) -> torch.Tensor:
+    def delta(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None, kv=None) -> torch.Tensor:
         """Return Block(x) - x: the block's total residual update (what hyper-connections route)."""
-        u = self._branch(x, self.attn_norm, lambda h: self.attn(h, rope), self.attn_post, attn_mod)
+        u = self._branch(x, self.attn_norm, lambda h: self.attn(h, rope, kv), self.attn_post, attn_mod)
         return u + self._branch(x + u, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
 
-    def forward(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None) -> torch.Tensor:
-        """Return the block output for x [B, T, d]; mods gate/shift each branch (timestep conditioning)."""
-        x = x + self._branch(x, self.attn_norm, lambda h: self.attn(h, rope), self.attn_post, attn_mod)
+    def forward(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None, kv=None) -> torch.Tensor:
+        """Return the block output for x [B, T, d]; mods gate/shift each branch (timestep conditioning).
+
+        `kv` is this occurrence's key/value cache entry during cached generation (see Attention).
+        """
+        x = x + self._branch(x, self.attn_norm, lambda h: self.attn(h, rope, kv), self.attn_post, attn_mod)
         return x + self._branch(x, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
 
 

@@ -99,6 +99,7 @@ class LoopContext:
     gates: torch.Tensor | None = None
     mods: list | None = None
     places: Places | None = None
+    kv: object = None  # the key/value cache during cached generation (models.generate.KVCache)
 
 
 @dataclass
@@ -290,7 +291,9 @@ class LoopLM(nn.Module):
                       allowed=f"must be an integer in 1..loops={r}")
         return r, k
 
-    def _rope(self, like: torch.Tensor):
+    def _rope(self, like: torch.Tensor, kv=None):
+        if kv is not None:  # cached generation: the tables at the new tokens' own positions
+            return kv.rope(self.rotary, like)
         return self.rotary(like.shape[1], like.dtype, like.device)
 
     def place_names(self, loops: int) -> list[str]:
@@ -318,13 +321,14 @@ class LoopLM(nn.Module):
                 raise ValueError(f"{name} holds token id {bad}, outside the vocabulary: ids must be in 0..{V - 1} "
                                  f"(vocab_size={V})" + (f"; {ignore} marks ignored positions" if ignore is not None else ""))
 
-    def embed_prelude(self, tokens: torch.Tensor, places: Places | None = None) -> torch.Tensor:
-        """Return h0 [B, T, d]: the prelude's output for tokens [B, T]."""
+    def embed_prelude(self, tokens: torch.Tensor, places: Places | None = None, kv=None) -> torch.Tensor:
+        """Return h0 [B, T, d]: the prelude's output for tokens [B, T] (the new tokens of a `kv` cache)."""
         self._check_tokens(tokens)
         x = self.embed(tokens)
-        rope = self._rope(x)
+        rope = self._rope(x, kv)
         for i, blk in enumerate(self.prelude):
-            x = blk(x, rope) if places is None else places(f"prelude.{i}", x, blk(x, rope))
+            e = None if kv is None else kv.at(f"prelude.{i}")
+            x = blk(x, rope, kv=e) if places is None else places(f"prelude.{i}", x, blk(x, rope, kv=e))
         return x
 
     @property
@@ -332,22 +336,27 @@ class LoopLM(nn.Module):
         """Return the LM head's weight [V, d] (the embedding when tied)."""
         return self.head.weight if self.head is not None else self.embed.weight
 
-    def features(self, state: torch.Tensor, places: Places | None = None) -> torch.Tensor:
-        """Return the final-normed coda output [B, T, d] for a loop state: what the LM head reads."""
-        rope = self._rope(state)
+    def features(self, state: torch.Tensor, places: Places | None = None, kv=None) -> torch.Tensor:
+        """Return the final-normed coda output [B, T, d] for a loop state: what the LM head reads.
+
+        With a `kv` cache the coda writes its keys and values at the new positions (a later readout of
+        the same positions overwrites them; the cache keeps the last).
+        """
+        rope = self._rope(state, kv)
         x = state
         for i, blk in enumerate(self.coda):
-            x = blk(x, rope) if places is None else places(f"coda.{i}", x, blk(x, rope))
+            e = None if kv is None else kv.at(f"coda.{i}")
+            x = blk(x, rope, kv=e) if places is None else places(f"coda.{i}", x, blk(x, rope, kv=e))
         return self.norm(x)
 
-    def readout(self, state: torch.Tensor, places: Places | None = None) -> torch.Tensor:
+    def readout(self, state: torch.Tensor, places: Places | None = None, kv=None) -> torch.Tensor:
         """Return logits [B, T, V]: coda, final norm and head applied to a loop state [B, T, d]."""
-        return F.linear(self.features(state, places), self.head_weight)
+        return F.linear(self.features(state, places, kv), self.head_weight)
 
-    def context(self, h0: torch.Tensor, horizon: int, places: Places | None = None) -> LoopContext:
+    def context(self, h0: torch.Tensor, horizon: int, places: Places | None = None, kv=None) -> LoopContext:
         """Return the LoopContext every loop of a `horizon`-loop pass from h0 [B, T, d] shares."""
         psi, gates, mods = self.loop_conditioning(horizon, h0)
-        return LoopContext(self.initial_state(h0)[1], self._rope(h0), horizon, psi, gates, mods, places)
+        return LoopContext(self.initial_state(h0)[1], self._rope(h0, kv), horizon, psi, gates, mods, places, kv)
 
     def window(self, carried: Sequence[torch.Tensor], t: int) -> tuple[torch.Tensor, ...]:
         """Return the history window entering 0-based loop t: (h_{t-1}, ..., h_{t-m}), m = min(w, max(t-1, 0)).
@@ -365,22 +374,23 @@ class LoopLM(nn.Module):
             x = self.history(x, past)
         if self.inject is not None and t >= self._inject_from:
             x = self.inject(x, ctx.h0)
-        rope, places = ctx.rope, ctx.places
+        rope, places, kv = ctx.rope, ctx.places, ctx.kv
         layer_mods = ctx.mods[t] if ctx.mods is not None else None
         for j, blk in enumerate(self.core):
             am, mm = layer_mods[j] if layer_mods is not None else (None, None)
+            e = None if kv is None else kv.at(f"core.{t + 1}.{j}")
             if places is None:  # the hot path: no names, no hooks
                 if self.hyper is None:
-                    x = blk(x, rope, am, mm)
+                    x = blk(x, rope, am, mm, e)
                 else:
-                    x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm: blk.delta(u, rope, am, mm))
+                    x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, e=e: blk.delta(u, rope, am, mm, e))
                 continue
             name = f"core.{t + 1}.{j}"
             if self.hyper is None:
-                x = places(name, x, blk(x, rope, am, mm))
+                x = places(name, x, blk(x, rope, am, mm, e))
             else:
-                x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, name=name:
-                                  _hooked_delta(places, name, u, blk.delta(u, rope, am, mm)))
+                x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, name=name, e=e:
+                                  _hooked_delta(places, name, u, blk.delta(u, rope, am, mm, e)))
         if ctx.gates is not None:
             x = h + ctx.gates[t] * (x - h)
         return x
@@ -410,30 +420,36 @@ class LoopLM(nn.Module):
 
     def run(self, tokens: torch.Tensor | None = None, loops: int | None = None, *, horizon: int | None = None,
             backward_loops: int | None = None, keep_states: bool = False, cache=None, hooks=None,
-            coda: bool = False, start: LoopStart | None = None) -> LoopPass:
+            coda: bool = False, start: LoopStart | None = None, kv=None, halt=None) -> LoopPass:
         """Return the LoopPass of prelude, `loops` core passes and (with `coda`) the coda: THE loop.
 
         Every consumer (forward, trace, per-loop losses, probes, decoders) goes through here.
         `cache` (glob patterns) and `hooks` ({pattern: fn}) name places to keep or hook (see Places).
-        `start` resumes an earlier pass after S loops instead of starting from tokens. Under truncation
-        (backward_loops=k < loops) the first r-k loops run without a graph and the state entering loop
-        r-k+1 (and the history window) is detached; h0 keeps its graph, so the prelude still gets
-        gradient wherever an injection feeds h0 into the last k loops.
+        `kv` (a models.generate.KVCache opened for these tokens) makes `tokens` the new tokens of a
+        cached sequence: every block occurrence (prelude.i, core.t.j, coda.i) stores its keys and values
+        in its own entry and attends over the cached positions. `halt(t, h_prev, h) -> (h, stop)` is
+        called after loop t (adaptive exit): it may replace the state (freeze exited rows) and ends the
+        loop early when `stop` is true. `start` resumes an earlier pass after S loops instead of starting
+        from tokens. Under truncation (backward_loops=k < loops) the first r-k loops run without a graph
+        and the state entering loop r-k+1 (and the history window) is detached; h0 keeps its graph, so
+        the prelude still gets gradient wherever an injection feeds h0 into the last k loops.
         """
         r, k = self._loops_and_k(loops, backward_loops)
         T = r if horizon is None else horizon
         if self.timestep is not None and (isinstance(T, bool) or not isinstance(T, int) or T < r):
             raise ValueError(f"horizon={T!r} is invalid: must be an integer >= loops={r}")
         places = Places(cache, hooks) if cache or hooks else None
+        if kv is not None and start is not None:
+            raise ValueError("start and kv cannot be combined: a cached pass starts from its new tokens")
         if start is None:
-            h0 = self.embed_prelude(tokens, places)
+            h0 = self.embed_prelude(tokens, places, kv)
             h = self.initial_state(h0)[0]
             carried = [h if places is None else places("state.0", h, h, self.reduce)]
         else:
             if not isinstance(start, LoopStart) or not 1 <= len(start.carried) <= r + 1:
                 raise ValueError(f"start={start!r} is invalid: must be a LoopStart holding 1..{r + 1} states")
             h0, carried = start.h0, list(start.carried)
-        ctx = self.context(h0, T, places)
+        ctx = self.context(h0, T, places, kv)
         w = self.cfg.history
         for t in range(len(carried) - 1, r):
             if t == r - k and r > k:
@@ -441,14 +457,19 @@ class LoopLM(nn.Module):
                     carried[i] = carried[i].detach()
             with torch.no_grad() if t < r - k else nullcontext():
                 h = self.step(carried[t], t, ctx, self.window(carried, t))
+            stop = False
+            if halt is not None:
+                h, stop = halt(t + 1, carried[t], h)
             if places is not None:
                 h = places(f"state.{t + 1}", carried[t], h, self.reduce)
             carried.append(h)
             if not keep_states and t - w >= 0:
                 carried[t - w] = None  # no later loop reads it: let it go
+            if stop:
+                break
         out = LoopPass(self, h0, carried, T, places)
         if coda:
-            out.features = self.features(out.state, places)
+            out.features = self.features(out.state, places, kv)
         return out
 
     def forward(self, tokens: torch.Tensor, loops: int | None = None, targets: torch.Tensor | None = None,
@@ -495,6 +516,17 @@ class LoopLM(nn.Module):
         p = self.run(tokens, loops, horizon=horizon, keep_states=True, cache=cache, hooks=hooks)
         return LoopTrace(self, torch.stack(p.states), p.horizon, p.places)
 
+    def generate(self, tokens, max_new_tokens: int, loops: int | None = None, exit=None, **kw):
+        """Return the prompts followed by up to max_new_tokens new tokens, decoded with a key/value cache.
+
+        `loops=r` fixes the loop count; `exit=ExitRule(...)` (or "kl", "state") exits per token, with
+        loops as r_max. Keywords: temperature, top_k, top_p, seed, stop, mask, horizon, pad_id, details
+        (see workbench.models.generate.generate).
+        """
+        from .generate import generate  # the cache lives there; it imports this module
+
+        return generate(self, tokens, max_new_tokens, loops, exit, **kw)
+
     # ---- per-loop supervision --------------------------------------------------------------------
     def _check_labels(self, tokens: torch.Tensor, labels: torch.Tensor, loops: int | None) -> int:
         if (not isinstance(labels, torch.Tensor) or labels.dim() != 3 or labels.shape[0] != tokens.shape[0]
@@ -502,6 +534,8 @@ class LoopLM(nn.Module):
             raise ValueError(f"labels shape {tuple(getattr(labels, 'shape', ()))} is invalid: must be "
                              f"[batch, loops, seq] = [{tokens.shape[0]}, loops, {tokens.shape[1]}]")
         r = labels.shape[1]
+        if labels.numel():  # ids outside the vocabulary are named here, not by cross-entropy
+            self._check_tokens(labels.reshape(labels.shape[0], -1), "labels", ignore=-100)
         if loops is not None and loops != r:
             raise ValueError(f"loops={loops!r} is invalid with labels for {r} loops: leave it None or give {r}")
         return r
