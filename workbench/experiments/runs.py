@@ -149,7 +149,7 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     if not isinstance(train, dict):
         fail("train", train, "must be a mapping of TrainConfig fields")
     if not isinstance(corpus, str) or not (corpus in ("stdlib", "shakespeare") or corpus.startswith(("path:", "hf:"))):
-        fail("corpus", corpus, f"must be one of {', '.join(SOURCES)} (path:DIR_OR_FILE, hf:NAME)")
+        fail("corpus", corpus, f"must be one of {', '.join(SOURCES)}")
     check_int("vocab_size", vocab_size, 256 + len(SPECIAL_TOKENS),
               allowed=f"must be an integer >= {256 + len(SPECIAL_TOKENS)} (256 bytes + the end-of-text id)")
     if isinstance(tasks, (str, bytes)) or not isinstance(tasks, (list, tuple)):
