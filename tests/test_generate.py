@@ -257,3 +257,19 @@ def test_bad_exit_rule_is_named(kw, message):
     with pytest.raises(ValueError, match=message):
         ExitRule(**kw)
 
+
+def test_explorer_generate_view_shows_loops_per_token():
+    pytest.importorskip("ipywidgets")
+    from workbench.data.corpus import ByteTokenizer
+    from workbench.viz.explorer import LoopExplorer, loops_html
+
+    model = perturb(LoopLM(cfg(vocab_size=257)), scale=0.2).eval()
+    ex = LoopExplorer(model, ByteTokenizer(), text="def f(x):", max_loops=4)
+    traces = ex.traces
+    ex.set_loop(2)
+    ex.generate(new_tokens=5)
+    page = ex.generated.value
+    assert ex.traces == traces  # generating is not a trace: the slider's cache stays
+    assert "r = 2" in page and page.count('title="2 loops"') == 5  # the fixed run: every token at the slider's r
+    assert page.count("<span") == 10 and "KL exit" in page
+    assert "rgba(31,119,180,0.10)" in loops_html([("a", 1)], 4) and "0.90" in loops_html([("a", 4)], 4)

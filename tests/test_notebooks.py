@@ -28,6 +28,7 @@ DECLARED = {
     "taper": ({"schedule", "layer"}, ["d_ff"]),
     "tour": ({"loop"}, ["loss", "angular_distance", "relative_update"]),
     "retrofit": ({"loop", "depth"}, []),
+    "generate": ({"point", "step"}, ["mean_loops", "loss", "accuracy", "gate_objective"]),
 }
 # notebooks no pipeline runs: their smoke parameters
 STANDALONE = {

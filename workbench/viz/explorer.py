@@ -4,7 +4,9 @@
 training horizon K named beside it), a prompt box and a token selector over four plotly
 `FigureWidget`s: the top-k next tokens at the chosen loop, per-loop curves (logit-lens loss, angular
 distance, relative update, KL to the previous loop) with a cursor, the hidden-state trajectory across
-loops in a PCA fitted on all loops, and a token-by-loop heatmap of update norms.
+loops in a PCA fitted on all loops, and a token-by-loop heatmap of update norms. Its "generate"
+button (`generate()`) continues the prompt with the key/value cache at the slider's r and under the
+KL exit rule, each new token shaded by the loops it used (it runs the model; a slider move never does).
 
 Why it is fast: the numbers come from the probe `workbench.probes.loop_view` (ONE `model.trace` per
 prompt or model, reduced to a small Dataset); a slider move only re-slices that Dataset into the
@@ -102,6 +104,17 @@ def open_path(path, tokenizer=None, device=None) -> tuple[LoopLM, object]:
 
 
 # ---- the widget ----------------------------------------------------------------------------------------
+def loops_html(pieces, max_loops: int) -> str:
+    """Return HTML spans of generated pieces [(text, loops)], each shaded by its loops (light: 1, dark: max_loops)."""
+    out = []
+    for text, n in pieces:
+        a = 0.1 + 0.8 * (n - 1) / max(max_loops - 1, 1)
+        ink = "#fff" if a > 0.55 else "#000"
+        out.append(f'<span title="{n} loop{"s" * (n != 1)}" style="background:rgba(31,119,180,{a:.2f});color:{ink};'
+                   f'white-space:pre-wrap;font-family:monospace">{html.escape(text)}</span>')
+    return "".join(out)
+
+
 def _integer_ticks(R: int) -> dict:
     return integer_ticks([0, R] if R > 12 else [1, R])
 
@@ -159,6 +172,10 @@ class LoopExplorer:
         self.load_button = W.Button(description="load", tooltip="load the checkpoint and trace the prompt")
         self.status = W.HTML()
         self.source = W.HTML()
+        # the generate view: a continuation at the slider's r and under the KL exit rule (runs only on click)
+        self.gen_button = W.Button(description="generate", tooltip="continue the prompt at the slider's loop count "
+                                   "and with the KL exit rule (up to max_loops)")
+        self.generated = W.HTML()
         self.figures = self._build_figures()
         for name, fig in self.figures.items():
             fig.add_class(f"wb-explorer-{name}")  # stable hooks for the browser test and custom CSS
@@ -168,6 +185,7 @@ class LoopExplorer:
         self.token_select.observe(self._guard(lambda ch: self._syncing or ch["new"] is None
                                               or self.set_token(ch["new"])), "value")
         self.load_button.on_click(self._guard(lambda _: self.set_model(self.path.value)))
+        self.gen_button.on_click(self._guard(lambda _: self.generate()))
         f = self.figures
         self.widget = W.VBox([
             self.source,
@@ -177,6 +195,7 @@ class LoopExplorer:
             self.k_mark,
             self.token_select,
             self.status,
+            W.HBox([self.gen_button, self.generated]),
             # rows wrap on a narrow page rather than clip the figures
             W.HBox([f["predictions"], f["curves"]], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([f["trajectory"], f["heatmap"]], layout=W.Layout(flex_flow="row wrap")),
@@ -289,6 +308,24 @@ class LoopExplorer:
         self.loop = min(self.loop, R)
         self._sync_controls()
         self._draw_view()
+
+    def generate(self, new_tokens: int = 24, threshold: float = 0.01) -> None:
+        """Show the prompt's greedy continuation at the slider's r and under the KL exit rule, tokens coloured by loops."""
+        from ..models.generate import ExitRule, continuation
+
+        if self.model is None:
+            raise ExplorerInputError("no model loaded")
+        ids, _ = self._encode(self.text)
+        R = self.max_loops
+        n = min(check_int("new_tokens", new_tokens, 1), self.model.cfg.max_seq_len - len(ids))
+        if n < 1:
+            raise ExplorerInputError("the prompt fills the model's context: no room to generate")
+        rows = []
+        for label, kw in ((f"r = {self.loop}", dict(loops=self.loop)),
+                          (f"KL exit < {threshold:g} (r ≤ {R})", dict(loops=R, exit=ExitRule("kl", threshold)))):
+            _, pieces = continuation(self.model, self.tokenizer, ids.tolist(), n, **kw)
+            rows.append(f"<div><b>{html.escape(label)}</b>: {loops_html(pieces, R)}</div>")
+        self.generated.value = f'<div class="wb-explorer-generated">{"".join(rows)}</div>'
 
     def set_loop(self, r: int) -> None:
         """Show loop r (1..max_loops) in every figure by re-slicing the cached view; never runs the model."""

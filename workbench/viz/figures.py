@@ -387,3 +387,30 @@ def trajectory(view, positions, labels=None, K: int | None = None,
                                      hovertext=f"{labels[i]!r} at loop K={K}"))
     return fig
 
+
+def exit_curves(ds, var: str = "loss", title: str | None = None) -> go.Figure:
+    """Return ds[var] against mean core passes per token, one line per rule (fixed r, kl, state, gate).
+
+    Reads an `experiments.generate.exit_sweep` Dataset (dim `point`, coords `rule`, `setting`); task
+    variables (`task_loss`, `group_accuracy`) use `task_mean_loops`, and group_accuracy draws one line
+    per rule and group. Each point's hover text gives its r or threshold.
+    """
+    quantity = QUANTITY.get(var) or ds[var].attrs.get("long_name", var)
+    x_var = "task_mean_loops" if var.startswith("task") or var == "group_accuracy" else "mean_loops"
+    default = f"{'Task ' if x_var == 'task_mean_loops' else ''}{var.replace('_', ' ')} against compute per token"
+    fig = _fig(title or default, "mean core passes per token", quantity)
+    rules = list(dict.fromkeys(str(r) for r in ds.rule.values))
+    groups = list(ds.group.values) if "group" in ds[var].dims else [None]
+    for rule in rules:
+        sub = ds.isel(point=np.flatnonzero(ds.rule.values == rule))
+        order = np.argsort(sub[x_var].values, kind="stable")
+        what = "r" if rule == "fixed" else "threshold"
+        hover = [f"{rule}, {what} {s:g}" for s in sub.setting.values[order]]
+        for g in groups:
+            y = (sub[var] if g is None else sub[var].sel(group=g)).values[order]
+            name = rule if g is None else f"{rule} · {g}"
+            fig.add_trace(_line(sub[x_var].values[order], y, name, quantity, hovertext=hover,
+                                line=dict(dash="solid" if rule == "fixed" else "dot")))
+    if "accuracy" in var:
+        fig.update_yaxes(range=[-0.02, 1.02])
+    return fig
