@@ -119,7 +119,7 @@ def depth_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 50, se
 
 
 def _greedy_looped(model: LoopLM, ids: list[int], loops: int, n_new: int) -> list[int]:
-    """Greedy decoding without a KV cache: every new token reruns the model's looped pass on the whole prefix."""
+    """Return greedy tokens without a KV cache: every new token reruns the looped pass on the whole prefix (a reference)."""
     dev = model.embed.weight.device
     x = torch.tensor([ids], device=dev)
     out = []
@@ -154,8 +154,8 @@ def answer_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 20, s
                  modulus: int = 10, progress: bool = False) -> xr.Dataset:
     """Return per depth the greedy-answer `accuracy`, `seconds_per_answer` and `tokens_per_answer` (dim approach).
 
-    approach="looped": the model runs loops = depth and decodes as many tokens as the answer has (no KV
-    cache). approach="scratchpad": the model (loops=1, adapters merged, converted to a Hugging Face
+    approach="looped": the model runs loops = depth and decodes as many tokens as the answer has
+    (`LoopLM.generate`: a key/value cache per loop, like the scratchpad's). approach="scratchpad": the model (loops=1, adapters merged, converted to a Hugging Face
     Llama) writes the steps with a KV cache until the stop character, at most 3x the reference
     scratchpad's tokens; the answer is its last step. Answers are scored by `data.tasks.score`.
     Examples run one at a time (batch 1), so the time is the wall time of one answer.
@@ -183,7 +183,8 @@ def answer_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 20, s
             ids = tokenizer.encode(ex.prompt)
             t0 = time.perf_counter()
             if approach == "looped":
-                new = _greedy_looped(model, ids, ex.depth, len(tokenizer.encode(ex.answer)))
+                x = torch.tensor([ids], device=model.embed.weight.device)
+                new = model.generate(x, len(tokenizer.encode(ex.answer)), loops=ex.depth)[0, len(ids):].tolist()
                 answer = tokenizer.decode(new)
             else:
                 budget = 3 * len(tokenizer.encode(scratchpad_examples([ex])[0].answer))
