@@ -35,8 +35,10 @@ when it ends, done or failed; a failed or interrupted run restarts in its old fo
 notebook resumes from its checkpoint). Runs of one step go in parallel through an executor (local
 processes, or a Dask `distributed` scheduler); a failed run is recorded with its error and output
 notebook and the others go on. ``report`` writes ``runs/<pipeline>/report.html``: every run's
-status, parameters and links to its notebook rendered as HTML (nbconvert) with plotly.js loaded
-once per pipeline, so it opens offline.
+status, parameters, headline numbers (from its results.nc) and figures drawn inline, with links to
+its data and to its notebook rendered as HTML (nbconvert; code collapsed under the results).
+plotly.js is written once beside the report and every link is relative, so the pipeline folder
+opens offline wherever it is copied.
 """
 
 from __future__ import annotations

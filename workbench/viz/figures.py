@@ -60,6 +60,8 @@ PLOTLY_MISSING = ("This plot needs plotly.js, which did not load. The pipeline w
 def _fig(title: str, x: str, y: str, **layout) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(title_text=title, xaxis_title=x, yaxis_title=y, **{**_LAYOUT, **layout})
+    if layout.get("showlegend") is False and "margin" not in layout:
+        fig.update_layout(margin_b=60)  # no legend to make room for
     return fig
 
 
@@ -157,7 +159,8 @@ def loss_by_loop(ds, var: str = "loss", K: int | None = None, by: str | None = N
             sub = sub.mean(extra)
         fig.add_trace(_line(sub.loop.values, sub.values, var if label is None else f"{by}={label}", quantity))
     fig.update_xaxes(**integer_ticks(ds.loop.values))
-    fig.update_layout(showlegend=by is not None)  # a group's name shows even when it is the only one
+    # a group's name shows even when it is the only one; without groups there is no legend to make room for
+    fig.update_layout(showlegend=by is not None, margin_b=110 if by is not None else 60)
     if quantity.startswith("accuracy") or "accuracy (fraction)" in quantity:
         fig.update_yaxes(range=[-0.02, 1.02])  # a fraction: the whole 0..1, so flat zeros read as zero
     return mark_horizon(fig, K if K is not None else ds.attrs.get("training_loops"))
@@ -172,7 +175,7 @@ def loss_with_fit(ds, K: int | None = None, title: str = "Validation loss per lo
     """
     fig = loss_by_loop(ds, "loss", K=K, title=title)
     fig.data[0].name = "measured"
-    fig.update_layout(showlegend=True)
+    fig.update_layout(showlegend=True, margin_b=110)
     if "loss_fit" not in ds:
         return fig
     upto = int(ds["test_time_fit_upto"]) if "test_time_fit_upto" in ds else None
@@ -219,7 +222,8 @@ def geometry_curves(ds, K: int | None = None, title: str = "How much each loop m
     fig.update_xaxes(title_text="loop t", row=len(names), col=1)
     fig.update_xaxes(**integer_ticks(ds.loop.values))
     fig.update_annotations(font_size=12)
-    fig.update_layout(**{**_LAYOUT, "title_text": title, "height": 170 * len(names) + 110, "showlegend": False})
+    fig.update_layout(**{**_LAYOUT, "title_text": title, "height": 170 * len(names) + 80, "showlegend": False,
+                         "margin": dict(l=75, r=25, t=60, b=55)})
     return mark_horizon(fig, K if K is not None else ds.attrs.get("training_loops"))
 
 
@@ -244,6 +248,7 @@ def interaction_heatmap(ds, title: str = "Computational interaction C(source →
                  f"brighter cells print their own value</sup>")
     fig = _fig(title, "target block occurrence (stage.loop.layer)", "source block occurrence (skipped)", height=560,
                margin=dict(l=110, r=25, t=80, b=90))
+    fig.update_layout(title_y=0.955)  # room above for the second line
     text = np.where(np.isfinite(z), np.char.mod("%.2f", np.nan_to_num(z)), "")
     fig.add_trace(go.Heatmap(z=z, x=[str(s) for s in ds.target.values[cols]],
                              y=[str(s) for s in ds.source.values[rows]],
