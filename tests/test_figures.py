@@ -144,6 +144,14 @@ def datasets(model):
     lost["rho_k"] = ("k", 1.4 ** lost.k.values.astype(float))
     out["lost_hard"] = lost
     steps = np.arange(1, 301)
+    # an exit sweep (experiments.generate.exit_sweep's layout): fixed r and a KL threshold rule
+    rules = ["fixed"] * 4 + ["kl"] * 3
+    out["exits"] = xr.Dataset({"mean_loops": ("point", [1, 2, 4, 8, 2.5, 3.1, 5.0]),
+                               "loss": ("point", [4.0, 3.6, 3.4, 3.45, 3.55, 3.45, 3.41]),
+                               "task_mean_loops": ("point", [1, 2, 4, 8, 2.2, 3.0, 4.8]),
+                               "group_accuracy": (("point", "group"), np.tile([[0.9, 0.02]], (7, 1)))},
+                              coords={"rule": ("point", rules), "setting": ("point", [1, 2, 4, 8, 0.1, 0.01, 0.001]),
+                                      "group": ["knowledge", "reasoning"]})
     out["train"] = xr.Dataset({"train_loss": ("step", 6 - np.log(steps)),
                                "eval_loss": (("eval_step", "eval_loop"), [[5.0, 4.5], [4.0, 3.5]])},
                               coords={"step": steps, "eval_step": [150, 300], "eval_loop": [1, 3]})
@@ -175,7 +183,21 @@ def built(d) -> dict[str, go.Figure]:
                                  "MLP widths", "physical layer", "MLP width d_ff (hidden units)"),
         "depth_and_parameters": figures.depth_and_parameters(sizes),
         "trajectory": figures.trajectory(d["view"], [0, 3, 5]),
+        "exit_loss": figures.exit_curves(d["exits"], "loss"),
+        "exit_accuracy": figures.exit_curves(d["exits"], "group_accuracy"),
     }
+
+
+def test_every_builder_is_checked(datasets):
+    """A new builder in workbench.viz.figures joins `built` (and so the checks below) or this fails."""
+    import inspect
+
+    helpers = {"show", "save", "plot_html", "mark_horizon", "integer_ticks"}
+    builders = {n for n, f in inspect.getmembers(figures, inspect.isfunction)
+                if f.__module__ == figures.__name__ and not n.startswith("_") and n not in helpers}
+    source = inspect.getsource(built)
+    used = {n for n in builders if f"figures.{n}(" in source}
+    assert builders == used, f"builders not checked: {sorted(builders - used)}"
 
 
 def test_every_builder_keeps_one_scale_per_axis_titles_and_whole_ticks(datasets):
