@@ -22,6 +22,7 @@ import xarray as xr
 from .config import check_int, fail
 from .io import provenance
 from .models.looped import LoopLM
+from .models.precision import autocast, precision_name, use_bf16
 
 
 def _check_loops(loops: Sequence[int]) -> list[int]:
@@ -147,24 +148,33 @@ def sweep_examples(model: LoopLM, examples: Sequence[Any], tokenizer, loops: Seq
         attrs=provenance(model.cfg, examples=len(examples), training_loops=model.cfg.loops))
 
 
-def loop_sweep(model: LoopLM, data: Any, loops: Sequence[int], tokenizer=None, **kw: Any) -> xr.Dataset:
+def loop_sweep(model: LoopLM, data: Any, loops: Sequence[int], tokenizer=None, bf16: str | bool = "off",
+               **kw: Any) -> xr.Dataset:
     """Return a loop-sweep Dataset with `loss` and `accuracy` for token batches or task examples.
 
     `data` is a LongTensor [N, T+1] (rows are sequences), an iterable of such batches, or a list of
-    task examples (then `tokenizer` is required).
+    task examples (then `tokenizer` is required). `bf16` ("off", "on" or "auto", models.precision)
+    runs the passes under bf16 autocast (a run is evaluated as it was trained); the cross-entropy is
+    computed in fp32 either way, and attrs["precision"] says which was used. "off" (fp32) is the
+    default, so a sweep compared against a reference is exact.
     """
+    bf16 = use_bf16(bf16, _device(model, kw.get("device")))
     was_training = model.training
     model.eval()
     try:
-        if isinstance(data, (list, tuple)) and data and hasattr(data[0], "prompt"):
-            if tokenizer is None:
-                raise ValueError("tokenizer=None is invalid for task examples: pass the model's tokenizer")
-            return sweep_examples(model, data, tokenizer, loops, **kw)
-        if isinstance(data, torch.Tensor):
-            if data.dim() != 2:
-                raise ValueError(f"data of shape {tuple(data.shape)} is invalid: must be [N, T+1]")
-            bs = kw.pop("batch_size", 8)
-            data = data.split(bs)
-        return sweep_tokens(model, data, loops, **kw)
+        with autocast(_device(model, kw.get("device")), bf16):
+            if isinstance(data, (list, tuple)) and data and hasattr(data[0], "prompt"):
+                if tokenizer is None:
+                    raise ValueError("tokenizer=None is invalid for task examples: pass the model's tokenizer")
+                ds = sweep_examples(model, data, tokenizer, loops, **kw)
+            else:
+                if isinstance(data, torch.Tensor):
+                    if data.dim() != 2:
+                        raise ValueError(f"data of shape {tuple(data.shape)} is invalid: must be [N, T+1]")
+                    bs = kw.pop("batch_size", 8)
+                    data = data.split(bs)
+                ds = sweep_tokens(model, data, loops, **kw)
+        ds.attrs["precision"] = precision_name(bf16)
+        return ds
     finally:
         model.train(was_training)
