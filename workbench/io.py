@@ -33,6 +33,7 @@ and latest.json only; the tokenizer is given, or bytes for a 256-id model).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -40,6 +41,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -433,3 +435,36 @@ def find_runs(pipeline: str, step: str, runs_dir: str | os.PathLike = "runs", st
         if rec is not None and rec.get("status") == state:
             recs.append((rec.get("finished", ""), d))
     return [d for _, d in sorted(recs)]
+
+
+# ---- live progress: written by the Trainer, read by `workbench run` while the run executes ----------------------
+PROGRESS = "progress.json"
+
+
+def write_progress(run_dir: str | os.PathLike, fields: dict) -> Path:
+    """Return the path of run_dir/progress.json after replacing it atomically with `fields` (plus "updated").
+
+    No fsync: it is rewritten every second or so and only ever read live; a reader sees the old or the
+    new file, never half of one.
+    """
+    path = Path(run_dir) / PROGRESS
+    data = json.dumps({**fields, "updated": time.time()}, default=str).encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{PROGRESS}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_progress(run_dir: str | os.PathLike) -> dict | None:
+    """Return the fields of run_dir/progress.json (step, total, tokens_per_s, eta_s, phase, updated, ...), or None."""
+    try:
+        data = json.loads((Path(run_dir) / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

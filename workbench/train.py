@@ -45,8 +45,9 @@ import numpy as np
 import torch
 import xarray as xr
 from .config import LoopConfig, check_bool, check_choice, check_float, check_int, fail
-from .io import holds_run, load_tensors, mark_failed, provenance, read_json, save_netcdf
+from .io import holds_run, load_tensors, mark_failed, provenance, read_json, save_netcdf, write_progress
 from .models.looped import LoopLM
+from .models.precision import autocast, check_precision, precision_name, use_bf16
 
 SCHEDULES = ("cosine", "wsd", "constant")
 LOOP_SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
@@ -56,6 +57,8 @@ _MUON_SUFFIXES = (".attn.qkv.weight", ".attn.o.weight", ".mlp.gate_up.weight", "
 RESUME_FIELDS = ("seed", "batch_size", "seq_len", "loop_sampler", "loops", "loop_min", "loop_max", "loop_sigma",
                  "backward_loops", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac", "weight_decay",
                  "grad_clip", "muon")
+METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "loops", "backward_loops", "step_s", "compiled")
+PROGRESS_EVERY_S = 1.0  # progress.json is rewritten at most this often (workbench run reads it live)
 CHANCE_STEPS = 50  # past warmup, this many steps in a row ...
 CHANCE_FRACTION = 0.95  # ... with the loss above this share of ln(vocab_size) get a warning
 
@@ -115,8 +118,8 @@ class TrainConfig:
     keep_checkpoints: int = 1
     seed: int = 0
     device: str | None = None
-    bf16: bool | None = None  # default: on for CUDA, off on CPU
-    compile: bool = False
+    bf16: str = "auto"  # auto: bf16 autocast where the device does bf16 fast (models.precision); on; off
+    compile: str = "auto"  # auto: compile the blocks when the run repays it (compile_pays); on; off
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -131,10 +134,10 @@ class TrainConfig:
                 check_int(f(name), getattr(self, name), 1, allowed="must be None or an integer >= 1")
         for name in ("warmup", "eval_every", "checkpoint_every", "seed"):
             check_int(f(name), getattr(self, name), 0)
-        for name in ("chinchilla", "muon", "compile", "progress"):
+        for name in ("chinchilla", "muon", "progress"):
             check_bool(f(name), getattr(self, name))
-        if self.bf16 is not None:
-            check_bool(f("bf16"), self.bf16)
+        for name in ("bf16", "compile"):  # True / False / None (configs written before "auto") mean on / off / auto
+            object.__setattr__(self, name, check_precision(f(name), getattr(self, name)))
         if self.device is not None:
             if not isinstance(self.device, str):
                 fail(f("device"), self.device, "must be None or a torch device name such as 'cpu' or 'cuda:0'")
@@ -283,6 +286,96 @@ def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, wei
     return model(tokens, labels=labels, label_weights=weights, backward_loops=backward_loops).loss
 
 
+# ---- compilation: each Block compiled, the loop left eager ---------------------------------------------------
+# compile="auto" compiles when a run's training FLOPs (FLOPs per token x tokens, head and attention
+# included) reach COMPILE_AUTO_FLOPS for the device type: there the first compile repays itself
+# at least twice over. On a CPU the first compile of the blocks (forward, backward and, under
+# truncation, the no-grad forward) takes about a minute on 2 cores and the compiled bf16 step is
+# about a quarter faster than the eager one (benchmarks/bench_fast.py, docs/benchmarks.md); at
+# ~150 GFLOP/s of eager bf16 training, 1.5e14 FLOPs are ~17 minutes of training, which a quarter
+# shortens by ~4 minutes. On CUDA the compile is similar and the eager step is launch-bound for
+# models this size, so the threshold sits where ~20 TFLOP/s would train for ~4 minutes.
+COMPILE_AUTO_FLOPS = {"cpu": 1.5e14, "cuda": 5e15}
+_COMPILED: dict[str, Any] = {}  # torch.compile of Block.forward / Block.delta, made once per process
+
+
+def training_flops(model: LoopLM, tc: TrainConfig, steps: int, world: int = 1) -> float:
+    """Return the FLOPs of training `steps` steps (mean sampled loop count; head and attention included)."""
+    K = model.cfg.loops
+    draws = [sample_loops(s, tc, K) for s in range(min(steps, 1000))]  # the sampler's mean r and k
+    r = max(1, round(float(np.mean([d[0] for d in draws]))))
+    k = max(1, min(r, round(float(np.mean([d[1] for d in draws])))))
+    fpt = model.flops_per_token(r, k, seq_len=tc.seq_len, include_head=True)
+    return float(fpt) * steps * tc.batch_size * tc.seq_len * world
+
+
+def compile_pays(model: LoopLM, tc: TrainConfig, steps: int, device: torch.device | str,
+                 world: int = 1) -> tuple[bool, str]:
+    """Return (compile?, why) for tc.compile on `device`: "on" and "off" as given; "auto" compiles when the
+    run's training FLOPs reach COMPILE_AUTO_FLOPS[device type] and (on a CPU) a C++ compiler is there for
+    inductor's kernels."""
+    import shutil
+
+    if tc.compile != "auto":
+        return tc.compile == "on", f"compile={tc.compile}"
+    device = torch.device(device)
+    limit = COMPILE_AUTO_FLOPS.get(device.type)
+    if limit is None:
+        return False, f"compile=auto: not measured on {device.type}, so off"
+    flops = training_flops(model, tc, steps, world)
+    if flops < limit:
+        return False, (f"compile=auto: {flops:.2g} training FLOPs < {limit:.2g}, too short to repay a first "
+                       "compile of about a minute")
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")):
+        return False, "compile=auto: no C++ compiler (g++, c++, clang++ or $CXX) for inductor's CPU kernels"
+    return True, f"compile=auto: {flops:.2g} training FLOPs >= {limit:.2g}"
+
+
+def _compiled_fns() -> dict[str, Any]:
+    from .models.layers import Block
+
+    if not _COMPILED:
+        # compiled as plain functions of (block, ...): one cache for every Block, so all the blocks of a
+        # model (and of every model of the same shapes) share one compiled graph
+        _COMPILED["forward"] = torch.compile(Block.forward)
+        _COMPILED["delta"] = torch.compile(Block.delta)
+    return _COMPILED
+
+
+@contextlib.contextmanager
+def compiled_blocks(model: torch.nn.Module):
+    """Within: every Block of `model` runs torch.compile'd (forward, and delta for hyper-connections).
+
+    Only the blocks are compiled; the loop over them stays in Python, so a new loop count, a truncated
+    backward (a no-grad forward: compiled once more), timestep modulations and hyper-connection
+    routing reuse the compiled blocks instead of recompiling. Outside the context the blocks run
+    eagerly again (evaluation, probes), and state_dict keys never change.
+    """
+    import functools
+
+    from .models.layers import Block
+
+    fns = _compiled_fns()
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for b in blocks:
+        b.forward = functools.partial(fns["forward"], b)
+        b.delta = functools.partial(fns["delta"], b)
+    try:
+        yield
+    finally:
+        for b in blocks:
+            del b.forward, b.delta
+
+
+def compile_count() -> int:
+    """Return how many graphs torch.compile has built in this process (0 when dynamo was never used)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 # ---- checkpoints: they live in io.py (one home for files); re-exported so train.save_checkpoint etc. still work
 from .io import _load_optim_state, _optim_state, latest_checkpoint, load_model, save_checkpoint  # noqa: E402,F401
 
@@ -325,9 +418,12 @@ class Trainer:
             self.val_batches = [next(vs) for _ in range(tc.eval_batches)]
         self.total_steps = self._budget_steps()
         self.opts = make_optimizers(self.model, tc)
+        # resolved once: what "auto" chose is recorded in the metrics' attrs, results and progress.json
+        self.bf16 = use_bf16(tc.bf16, self.device)
+        self.compiled, self.compile_reason = compile_pays(self.model, tc, self.total_steps, self.device, self.world)
+        self._progress_at = -math.inf
         self.step = 0
-        self.metrics: dict[str, list] = {k: [] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "loops",
-                                                         "backward_loops")}
+        self.metrics: dict[str, list] = {k: [] for k in METRICS}
         self.evals: list[xr.Dataset] = []
         self.warnings: list[str] = []  # kept in checkpoints and the metrics' attrs
         self.failed: str | None = None
@@ -342,9 +438,7 @@ class Trainer:
                 clear_run(self.out_dir, checkpoints_only=True)  # a tokenizer written for this run stays
         if resume:
             self._resume()
-        self.train_model = self.model
-        if tc.compile:
-            self.train_model = torch.compile(self.model)
+        self.train_model = self.model  # compile acts on the blocks (compiled_blocks), never wraps the model
         if self.dist:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
                 self.train_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -461,14 +555,17 @@ class Trainer:
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.step = int(state["step"])
         self.metrics = {k: list(v) for k, v in state["metrics"].items()}
+        n = len(self.metrics["loss"])
+        for k in METRICS:  # checkpoints written before step_s / compiled existed
+            self.metrics.setdefault(k, [math.nan if k == "step_s" else 0.0] * n)
         self.evals = [xr.Dataset.from_dict(d) for d in state.get("evals", [])]
         self.warnings = list(state.get("warnings", []))
 
     # one step ---------------------------------------------------------------------------------------------
     def _loss(self, batch, r: int, k: int) -> torch.Tensor:
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                    if (self.tc.bf16 if self.tc.bf16 is not None else self.device.type == "cuda") else nullcontext())
-        with autocast:
+        # autocast for the forward only (its backward follows the forward's dtypes); parameters, optimiser
+        # states, the loss and the cross-entropy's softmax stay fp32 (models.precision)
+        with autocast(self.device, self.bf16), (compiled_blocks(self.model) if self.compiled else nullcontext()):
             if isinstance(batch, dict):  # per-loop supervision, through the wrapper so DDP syncs it
                 w = batch.get("weights")
                 tokens, labels = self._shard(batch["tokens"]), self._shard(batch["labels"])
@@ -498,6 +595,7 @@ class Trainer:
         if isinstance(batch, dict):  # per-loop supervision: the labels fix the loop count
             r = batch["labels"].shape[1]
             k = min(k, r)
+        graphs = compile_count()
         loss = self._loss(batch, r, k)
         if not torch.isfinite(loss):
             bad = self.nonfinite()  # weights the previous update broke: that step diverged, not this one
@@ -519,8 +617,9 @@ class Trainer:
         dt = time.perf_counter() - t0
         n_tok = (batch["tokens"].numel() if isinstance(batch, dict) else batch[:, :-1].numel())
         value = float(loss.item())
+        compiled = float(compile_count() != graphs)  # this step built a graph (forward and its backward)
         for key, v in (("loss", value), ("lr", lr), ("grad_norm", float(gn)), ("tokens_per_s", n_tok / dt),
-                       ("loops", r), ("backward_loops", k)):
+                       ("loops", r), ("backward_loops", k), ("step_s", dt), ("compiled", compiled)):
             self.metrics[key].append(v)
         self.step += 1
         return value
@@ -533,14 +632,34 @@ class Trainer:
             raise ValueError("evaluate() needs val_data")
         K = self.cfg.loops
         loops = list(self.tc.eval_loops or sorted({1, max(1, K // 2), K, 2 * K}))
-        ds = loop_sweep(self.model, torch.cat(self.val_batches), loops, batch_size=8, progress=False)
+        ds = loop_sweep(self.model, torch.cat(self.val_batches), loops, batch_size=8, progress=False, bf16=self.bf16)
         return ds.expand_dims(step=[self.step])
+
+    def compile_seconds(self) -> np.ndarray:
+        """Return per step the seconds spent compiling: a compiling step's time minus the median other step's (else 0)."""
+        s = np.asarray(self.metrics["step_s"], dtype=float)
+        c = np.asarray(self.metrics["compiled"], dtype=float) > 0
+        normal = s[~c & np.isfinite(s)]
+        base = float(np.median(normal)) if normal.size else 0.0
+        return np.where(c & np.isfinite(s), np.maximum(s - base, 0.0), 0.0)
+
+    def speed_attrs(self) -> dict[str, str | float]:
+        """Return what the run's speed settings resolved to: precision, compile (on/off and why), compile seconds."""
+        return {"precision": precision_name(self.bf16), "compile": "on" if self.compiled else "off",
+                "compile_reason": self.compile_reason, "compile_s": float(self.compile_seconds().sum()),
+                "device": str(self.device)}
 
     def metrics_dataset(self) -> xr.Dataset:
         """Return the per-step metrics (dim `step`, 1-based) and evaluations (dims `eval_step`, `loop`)."""
         n = len(self.metrics["loss"])
         ds = xr.Dataset({k: ("step", np.asarray(v, dtype=float)) for k, v in self.metrics.items()},
                         coords={"step": np.arange(1, n + 1)})
+        ds["compile_s"] = ("step", self.compile_seconds(), {"long_name": "seconds of the step spent compiling "
+                                                            "(estimated: its time minus the median step's)"})
+        # a compiling step's throughput counts its training time only
+        run_s = ds.step_s - ds.compile_s
+        ds["tokens_per_s"] = ds.tokens_per_s.where((ds.compile_s == 0) | (run_s <= 0),
+                                                   ds.tokens_per_s * ds.step_s / run_s)
         if self.evals:
             ev = xr.concat(self.evals, dim="step").rename(step="eval_step")
             ds["eval_loss"] = ev["loss"]
@@ -548,6 +667,7 @@ class Trainer:
         ds.attrs = provenance(self.cfg, self.tc.seed, train_config=self.tc.to_json(), total_steps=self.total_steps,
                               chance_loss=math.log(self.cfg.vocab_size), warnings="\n".join(self.warnings),
                               failed=self.failed or "")
+        ds.attrs.update(self.speed_attrs())
         return ds
 
     def run(self) -> xr.Dataset:
@@ -567,16 +687,43 @@ class Trainer:
                 self._stop_on_signal()
             try:
                 if self.val_batches is not None and (not self.evals or int(self.evals[-1].step[0]) != self.step):
+                    self._report_progress("evaluating", force=True)
                     self.evals.append(self.evaluate())
             finally:  # a failing evaluation never costs the trained weights
                 self.save()
         except Diverged as e:
             self._record_failure(e)
+            self._report_progress("failed", force=True)
             raise
         ds = self.metrics_dataset()
         if self.out_dir is not None and self.rank == 0:
             save_netcdf(ds, self.out_dir / "metrics.nc")
+        self._report_progress("done", force=True)
         return ds
+
+    def _report_progress(self, phase: str = "training", force: bool = False) -> None:
+        """Rewrite out_dir/progress.json (rank 0; at most every PROGRESS_EVERY_S unless forced): what `workbench run`
+        shows while the run executes: phase, step of total, tokens/s and time left over the last non-compiling
+        steps, latest loss, precision and compile."""
+        if self.out_dir is None or self.rank != 0:
+            return
+        now = time.monotonic()
+        if not force and now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        m = self.metrics
+        recent = [(s, t) for s, t, c in zip(m["step_s"][-20:], m["tokens_per_s"][-20:], m["compiled"][-20:])
+                  if not c and math.isfinite(s)]
+        step_s = float(np.median([s for s, _ in recent])) if recent else None
+        fields = {"phase": phase, "step": self.step, "total": self.total_steps,
+                  "tokens_per_s": float(np.median([t for _, t in recent])) if recent else None,
+                  "eta_s": step_s * (self.total_steps - self.step) if step_s is not None else None,
+                  "loss": m["loss"][-1] if m["loss"] else None, "precision": precision_name(self.bf16),
+                  "compile": "on" if self.compiled else "off", "pid": os.getpid()}
+        try:
+            write_progress(self.out_dir, fields)
+        except OSError:
+            pass  # progress is for a person watching; a full disk must not stop training here (save() will say)
 
     def _train_loop(self) -> None:
         from tqdm.auto import tqdm
@@ -585,13 +732,16 @@ class Trainer:
                    disable=not self.tc.progress or self.rank != 0)
         self.model.train()
         self._saved_at = time.monotonic()
+        self._report_progress("compiling" if self.compiled else "training", force=True)
         try:
             while self.step < self.total_steps:
                 loss = self.train_step()
+                self._report_progress()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", r=self.metrics["loops"][-1])
                 self._watch_chance()
                 if self.tc.eval_every and self.val_batches is not None and self.step % self.tc.eval_every == 0:
+                    self._report_progress("evaluating", force=True)
                     self.evals.append(self.evaluate())
                 if self._stop_requested():
                     return
