@@ -73,6 +73,9 @@ def train(args: argparse.Namespace) -> int:
         train_fields["steps"] = check_int("--steps", args.steps, 1)
     if args.seed is not None:
         train_fields["seed"] = check_int("--seed", args.seed, 0)
+    for key in ("bf16", "compile"):  # flags override the train config; unset, the config's (default "auto") stands
+        if getattr(args, key) is not None:
+            train_fields[key] = getattr(args, key)
     if args.resume and args.overwrite:
         fail("--overwrite", True, "cannot be combined with --resume: continue the run or replace it, not both")
     if not args.resume and not args.overwrite and holds_run(out):
@@ -123,7 +126,7 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
     try:
         if args.cmd == "run":
             result = pipeline.run(args.spec, profile=args.profile, jobs=args.jobs, executor=args.executor,
-                                  scheduler=args.scheduler, runs_dir=args.runs)
+                                  scheduler=args.scheduler, runs_dir=args.runs, progress=not args.quiet)
             return 0 if result.ok else 1
         if args.cmd == "status":
             rows = pipeline.status(args.spec, profile=args.profile, runs_dir=args.runs)
@@ -166,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--steps", type=int, help="training steps (overrides the train config)")
     t.add_argument("--seed", type=int, help="seed (overrides the train config)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    t.add_argument("--bf16", choices=("auto", "on", "off"),
+                   help="bf16 autocast: auto (default) where the device does bf16 fast (CUDA; a CPU with AMX or "
+                        "AVX512-BF16), on, or off (fp32)")
+    t.add_argument("--compile", choices=("auto", "on", "off"),
+                   help="torch.compile the blocks: auto (default) when the run is long enough to repay the "
+                        "first compile (about a minute on a CPU), on, or off")
     t.add_argument("--overwrite", action="store_true", help="replace the run already in --out (default: refuse)")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
     t.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -182,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             c.add_argument("--jobs", type=int, default=1, help="runs executed at once (local executor)")
             c.add_argument("--executor", default="local", choices=("local", "dask"), help="where runs execute")
             c.add_argument("--scheduler", help="Dask scheduler address for --executor dask")
+            c.add_argument("--quiet", action="store_true",
+                           help="no live progress (which run executes, its step, tokens/s, time left); "
+                                "the line per finished run and the summary stay")
         if name == "clean":
             c.add_argument("--failed", action="store_true", help="only failed and partial runs")
     args = parser.parse_args(argv)

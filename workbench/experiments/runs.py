@@ -258,7 +258,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     K = cfg.loops
     loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]) | {K})  # K: final_loss is read there
     val = torch.cat(trainer.val_batches)
-    sweep = loop_sweep(net, val, loops, progress=False)
+    sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16)  # evaluated as it was trained
     run = Run(net, tok, experiment, out, data)
 
     r_train = float(np.mean(metrics.loops.values))
@@ -279,18 +279,19 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
                "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
                "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),
-               "wall_s": wall}
+               "wall_s": wall, "compile_s": float(metrics.compile_s.sum())}
     for k, v in scalars.items():
         ds[k] = ((), float(v))
     if tasks:
         ex = run.task_examples()
-        ts = loop_sweep(net, ex, loops, tokenizer=tok, progress=False)
+        ts = loop_sweep(net, ex, loops, tokenizer=tok, progress=False, bf16=trainer.bf16)
         ds["task_accuracy"] = ts["accuracy"]
         ds["task_count"] = ts["count"]
         ds["group_accuracy"] = ts["group_accuracy"]
     ds.attrs = provenance(cfg, seed, train_config=tc.to_json(), corpus=corpus, tasks=",".join(tasks),
                           training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
-                          **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))})
+                          **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
+                          **trainer.speed_attrs())  # precision, compile and why: what "auto" chose here
     save_netcdf(ds, out / "results.nc")
     return run, ds
 
@@ -302,7 +303,7 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                         model_overrides: dict | None = None, steps: int = 300, flops: float = 0.0,
                         batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
                         loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
-                        out_dir: str = ".") -> dict:
+                        bf16: str = "auto", compile: str = "auto", out_dir: str = ".") -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
     One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
@@ -321,7 +322,8 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                  max_seq_len=max(seq_len, 512), **overrides)
     budget = {"flops": flops} if flops > 0 else {"steps": steps}
     train = dict(batch_size=batch_size, seq_len=seq_len, lr=lr, loop_sampler=loop_sampler,
-                 backward_loops=backward_loops or None, warmup=min(20, steps // 10), **budget)
+                 backward_loops=backward_loops or None, warmup=min(20, steps // 10), bf16=bf16, compile=compile,
+                 **budget)
     return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
                 eval_loops=eval_loops, seed=seed)
 
