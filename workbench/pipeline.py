@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from .io import atomic_write_bytes, find_runs, read_record  # noqa: F401 (find_runs: public here too)
+from .io import PROGRESS, read_progress
 
 LIBRARY = Path(__file__).resolve().parent  # the `workbench` package whose source enters every run key
 REPO = LIBRARY.parent
@@ -505,6 +506,7 @@ def execute_run(job: RunJob) -> dict:
             os.replace(final, work)
             (work / "run.json").unlink(missing_ok=True)
         work.mkdir(parents=True, exist_ok=True)
+        (work / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's: live progress must show this one
         if job.threads:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
                 os.environ[var] = str(job.threads)  # the kernel inherits it: parallel runs share the cores
@@ -594,6 +596,158 @@ def make_executor(kind: str = "local", jobs: int = 1, scheduler: str | None = No
     raise PipelineError(f"executor={kind!r} is invalid: must be 'local' or 'dask'")
 
 
+# ---- live progress --------------------------------------------------------------------------------------
+def _held(lock: Path) -> bool:
+    """Return True when some runner holds the run's lock file, i.e. the run is executing now."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new open file: conflicts even with this process's lock
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def progress_text(job: RunJob, progress: dict | None, elapsed: float) -> str:
+    """Return one line saying what a running run is doing: its step and notebook, and from its progress.json
+    (the Trainer writes one) the training step of the total, tokens/s, time left and loss."""
+    head = f"[{job.step}] {job.key}"
+    p = progress or {}
+    phase = p.get("phase")
+    if phase is None or not isinstance(p.get("total"), int):
+        return f"{head} running {_clock(elapsed)}"
+    step, total = p.get("step", 0), p["total"]
+    how = f"{p.get('precision', '?')}, compile {p.get('compile', '?')}"
+    if phase == "compiling":
+        return f"{head} compiling the blocks, then {total} steps ({how}) {_clock(elapsed)}"
+    parts = [f"{head} step {step}/{total}"]
+    if phase in ("evaluating", "done", "failed"):
+        parts.append(phase)
+    if p.get("tokens_per_s"):
+        parts.append(f"{p['tokens_per_s']:,.0f} tok/s")
+    if p.get("eta_s") is not None and phase == "training":
+        parts.append(f"ETA {_clock(p['eta_s'])}")
+    if p.get("loss") is not None:
+        parts.append(f"loss {p['loss']:.3f}")
+    return " · ".join(parts) + f" ({how})"
+
+
+class LiveProgress:
+    """What `workbench run` shows while runs execute: which run, its training step of the total, tokens/s
+    and time left (read from the run's progress.json, which the Trainer rewrites every second).
+
+    On a terminal one status line is redrawn every `every` seconds (default 0.5); elsewhere (a log, a
+    pipe) plain lines: one when a run is first seen executing or changes phase, then one per running
+    run every `every` seconds (default 5). A run is executing while its lock is held, so this works
+    for runs in this process, in worker processes and on Dask workers sharing the file system.
+    """
+
+    def __init__(self, stream=None, every: float | None = None):
+        import sys
+        import threading
+
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every if every is not None else (0.5 if self.tty else 5.0)
+        self.jobs: dict[str, RunJob] = {}
+        self._seen: dict[str, tuple[float, str | None]] = {}  # key -> (first seen, last phase printed)
+        self._printed = 0.0
+        self._status = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="workbench-progress", daemon=True)
+
+    def start(self) -> "LiveProgress":
+        """Return self after starting the watcher thread."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the watcher thread and clear the status line."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._clear()
+            self._status = ""
+
+    def watch(self, jobs: Iterable[RunJob]) -> None:
+        """Add runs that may execute from now on."""
+        with self._lock:
+            self.jobs.update((j.key, j) for j in jobs)
+
+    def finished(self, key: str) -> None:
+        """Stop watching a run (its end line is printed by the caller through `say`)."""
+        with self._lock:
+            self.jobs.pop(key, None)
+            self._seen.pop(key, None)
+
+    def say(self, text: str) -> None:
+        """Print a line of the pipeline's own output, below (and never through) the status line."""
+        with self._lock:
+            self._clear()
+            print(text, file=self.stream, flush=True)
+            self._draw()
+
+    def _clear(self) -> None:
+        if self.tty and self._status:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def _draw(self) -> None:
+        if self.tty and self._status:
+            width = shutil.get_terminal_size((120, 24)).columns - 1
+            self.stream.write("\r" + self._status[:width] + "\x1b[K")
+            self.stream.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(0.5, self.every)):
+            try:
+                self.tick()
+            except Exception:  # showing progress must never break a pipeline
+                pass
+
+    def tick(self) -> None:
+        """Look at the watched runs once and print or redraw what they are doing."""
+        now = time.monotonic()
+        with self._lock:
+            jobs = list(self.jobs.values())
+        lines = []
+        fresh = False
+        for job in jobs:
+            if not _held(job.dir.parent / f".{job.dir.name}.lock") or (job.dir / "run.json").exists():
+                continue
+            first, phase_shown = self._seen.get(job.key, (now, None))
+            work = job.dir.parent / f".{job.dir.name}.partial"
+            prog = read_progress(work)  # execute_run removed any left by an earlier attempt
+            phase = (prog or {}).get("phase", "running")
+            fresh |= phase != phase_shown
+            self._seen[job.key] = (first, phase)
+            lines.append(progress_text(job, prog, now - first))
+        with self._lock:
+            if self.tty:
+                self._status = " | ".join(lines)
+                if self._status:
+                    self._draw()
+                else:
+                    self._clear()
+            elif lines and (fresh or now - self._printed >= self.every):
+                self._printed = now
+                for line in lines:
+                    print(line, file=self.stream, flush=True)
+
+
 # ---- the pipeline ------------------------------------------------------------------------------------------
 @dataclass
 class Result:
@@ -635,16 +789,25 @@ def _levels(pipe: Pipeline) -> list[list[str]]:
 
 def run(spec: str | os.PathLike, profile: str | None = None, jobs: int = 1, executor: str = "local",
         scheduler: str | None = None, runs_dir: str | os.PathLike = "runs", report_html: bool = True,
-        log: Callable[[str], None] | None = print) -> Result:
-    """Return the Result of running every run of a pipeline not yet complete (validated before anything runs)."""
+        log: Callable[[str], None] | None = print, progress: bool = False) -> Result:
+    """Return the Result of running every run of a pipeline not yet complete (validated before anything runs).
+
+    With `progress`, what executes is shown live on stdout (LiveProgress: a status line on a terminal,
+    plain lines elsewhere), and `log` lines print below it.
+    """
     pipe = load_spec(spec, profile)
     jobs_list = expand(pipe, runs_dir)
     validate(pipe, jobs_list)
     ex = make_executor(executor, jobs, scheduler)
+    live = LiveProgress() if progress else None
     say = log or (lambda s: None)
+    if live is not None and log is not None:
+        say = live.say
     records: dict[str, dict] = {}
     steps = {s.name: s for s in pipe.steps}
     try:
+        if live is not None:
+            live.start()
         for names in _levels(pipe):
             todo: list[RunJob] = []
             for job in (j for j in jobs_list if j.step in names):
@@ -661,18 +824,34 @@ def run(spec: str | os.PathLike, profile: str | None = None, jobs: int = 1, exec
                 if bad:  # a gather step runs on the upstream runs that completed
                     job = _drop_upstream(pipe, job, set(bad))
                 todo.append(job)
+            if live is not None:
+                live.watch(todo)
+            dirs = {j.key: j.dir for j in todo}
             for rec in ex.map(execute_run, todo):
                 records[rec["key"]] = rec
+                if live is not None:
+                    live.finished(rec["key"])
                 mark = "skipped (complete)" if rec.get("skipped") else rec["status"]
                 say(f"[{rec['step']}] {rec['key']} {mark} in {rec.get('seconds', 0):.1f} s"
-                    + (f": {rec['error'].splitlines()[0]}" if rec.get("error") else ""))
+                    + _trained(dirs.get(rec["key"])) + (f": {rec['error'].splitlines()[0]}" if rec.get("error") else ""))
     finally:
+        if live is not None:
+            live.stop()
         ex.close()
     result = Result(pipe.name, [records[k] for k in records])
     if report_html:
         result.report = report(pipe, runs_dir=runs_dir)
     say(result.summary())
     return result
+
+
+def _trained(run_dir: Path | None) -> str:
+    """Return " (N steps at T tok/s, precision, compile on/off)" for a run folder with a progress.json, else ""."""
+    p = read_progress(run_dir) if run_dir is not None else None
+    if p is None or not isinstance(p.get("total"), int):
+        return ""
+    rate = f" at {p['tokens_per_s']:,.0f} tok/s" if p.get("tokens_per_s") else ""
+    return f" ({p.get('step')} steps{rate}, {p.get('precision', '?')}, compile {p.get('compile', '?')})"
 
 
 def _drop_upstream(pipe: Pipeline, job: RunJob, bad: set[str]) -> RunJob:
