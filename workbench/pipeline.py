@@ -620,17 +620,17 @@ def _clock(seconds: float) -> str:
 
 
 def progress_text(job: RunJob, progress: dict | None, elapsed: float) -> str:
-    """Return one line saying what a running run is doing: its step and notebook, and from its progress.json
-    (the Trainer writes one) the training step of the total, tokens/s, time left and loss."""
-    head = f"[{job.step}] {job.key}"
+    """Return one line saying what a running run is doing: its pipeline step, key and time so far, and from its
+    progress.json (the Trainer writes one) the training step of the total, tokens/s, time left and loss."""
+    head = f"[{job.step}] {job.key} {_clock(elapsed)}"
     p = progress or {}
     phase = p.get("phase")
     if phase is None or not isinstance(p.get("total"), int):
-        return f"{head} running {_clock(elapsed)}"
+        return f"{head} running"
     step, total = p.get("step", 0), p["total"]
     how = f"{p.get('precision', '?')}, compile {p.get('compile', '?')}"
     if phase == "compiling":
-        return f"{head} compiling the blocks, then {total} steps ({how}) {_clock(elapsed)}"
+        return f"{head} compiling the blocks, then {total} steps ({how})"
     parts = [f"{head} step {step}/{total}"]
     if phase in ("evaluating", "done", "failed"):
         parts.append(phase)
