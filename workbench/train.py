@@ -22,6 +22,14 @@ or a non-finite parameter or optimiser state (checked before every save) raises 
 the step; the last finite checkpoint stays and latest.json records the failure. A resumed run must
 keep its seed, data and the settings in RESUME_FIELDS. A loss at chance level (ln V) for
 CHANCE_STEPS steps past warmup is logged (logger "workbench.train") and kept in the metrics' attrs.
+
+Fast where it pays: `bf16="auto"` trains under bf16 autocast where the device does bf16 fast (a CPU
+whose flags show AMX-BF16 or AVX512-BF16, a CUDA device with bf16; `models.precision`) and in fp32
+elsewhere; weights, optimiser states, the loss and the cross-entropy's softmax stay fp32, so
+checkpoints are fp32 and resume bit-exactly. `compile="auto"` compiles each Block (never the loop)
+when the run is long enough to repay the first compile (`compile_pays`); steps that compiled are
+timed apart. What "auto" chose is recorded in the metrics' attrs, and `out_dir/progress.json` says
+live where the run is (`workbench run` shows it).
 """
 
 from __future__ import annotations
