@@ -273,10 +273,53 @@ def test_workbench_run_prints_a_progress_line_before_the_run_ends_in_a_non_tty(t
     assert live, out.stdout  # a line naming the run and its step of 12 came before the run's end
     assert "\r" not in out.stdout and "\x1b[" not in out.stdout  # plain lines, no terminal codes
     assert "(12 steps" in lines[ended]  # the end line says what it trained
-    quiet = subprocess.run([sys.executable, "-m", "workbench.cli", "run", str(tmp_path / "spec.yaml"),
-                            "--runs", str(tmp_path / "runs2"), "--quiet"], capture_output=True, text=True,
-                           env=env, timeout=300)
-    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
-    assert not any(" step " in ln for ln in quiet.stdout.splitlines() if " done in " not in ln), quiet.stdout
     record = json.loads(next((tmp_path / "runs" / "live" / "train").glob("*/run.json")).read_text())
     assert record["status"] == "done"
+
+
+def test_quiet_turns_the_live_progress_off(monkeypatch):
+    from workbench import cli, pipeline
+
+    seen = []
+
+    class Done:
+        ok = True
+
+    monkeypatch.setattr(pipeline, "run", lambda *a, **kw: seen.append(kw["progress"]) or Done())
+    assert cli.main(["run", "quickstart", "--quiet"]) == 0 and cli.main(["run", "quickstart"]) == 0
+    assert seen == [False, True]
+
+
+def test_on_a_terminal_the_status_line_is_redrawn_and_log_lines_print_below_it(tmp_path):
+    import fcntl
+    import io as _io
+    from pathlib import Path
+
+    from workbench.io import write_progress
+    from workbench.pipeline import LiveProgress, RunJob
+
+    class Terminal(_io.StringIO):
+        def isatty(self):
+            return True
+
+    job = RunJob("p", "train", "k" * 16, tmp_path / "train" / ("k" * 16), Path("x.ipynb"), {})
+    work = job.dir.parent / f".{job.dir.name}.partial"
+    work.mkdir(parents=True)
+    write_progress(work, {"phase": "training", "step": 3, "total": 10, "tokens_per_s": 1234.0, "eta_s": 70.0,
+                          "loss": 4.5, "precision": "bf16-autocast", "compile": "off"})
+    screen = Terminal()
+    live = LiveProgress(stream=screen)
+    live.watch([job])
+    live.tick()
+    assert screen.getvalue() == ""  # not executing (nobody holds its lock): nothing shown
+    with open(job.dir.parent / f".{job.dir.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # what execute_run holds while the notebook runs
+        live.tick()
+        shown = screen.getvalue()
+        assert shown.startswith("\r[train] kkkkkkkkkkkkkkkk 0:00 step 3/10 · 1,234 tok/s · ETA 1:10 · loss 4.500")
+        assert shown.endswith("(bf16-autocast, compile off)\x1b[K")
+        live.say("[train] done")  # clears the status line, prints, redraws it below
+        assert screen.getvalue()[len(shown):].startswith("\r\x1b[K[train] done\n\r[train] kkkk")
+    live.finished(job.key)
+    live.stop()
+    assert screen.getvalue().endswith("\r\x1b[K")  # nothing left on the line
