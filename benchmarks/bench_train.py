@@ -54,7 +54,9 @@ def main() -> None:
 
     cfg = LoopConfig(vocab_size=4096, d_model=256, n_heads=4, prelude=1, core=2, coda=1, loops=4)
     data = np.random.default_rng(0).integers(0, 4096, 400_000).astype(np.uint16)
-    tc = TrainConfig(steps=args.steps, batch_size=8, seq_len=256, progress=False, device=str(dev))
+    # fp32 eager: issue 4's target is the fp32 step against the fp32 matmul (bench_fast.py times the fast path)
+    tc = TrainConfig(steps=args.steps, batch_size=8, seq_len=256, progress=False, device=str(dev), bf16="off",
+                     compile="off")
     trainer = Trainer(cfg, tc, data)
     n = 1024
     a = torch.randn(n, n, device=dev)
