@@ -214,7 +214,8 @@ def test_exit_sweep_fixed_points_match_full_passes():
     assert list(ds.rule.values) == ["fixed", "fixed", "kl", "kl"]
     x, y = batch[:, :-1], batch[:, 1:]
     for r, i in ((1, 0), (3, 1)):
-        loss = torch.nn.functional.cross_entropy(model(x, loops=r).logits.flatten(0, 1), y.flatten())
+        with torch.no_grad():
+            loss = torch.nn.functional.cross_entropy(model(x, loops=r).logits.flatten(0, 1), y.flatten())
         assert abs(float(ds.loss[i]) - float(loss)) < 1e-5 and float(ds.mean_loops[i]) == r
     assert abs(float(ds.loss[2] - ds.loss[1])) < 1e-5 and float(ds.mean_loops[2]) == 3  # threshold 0: r_max
     assert abs(float(ds.loss[3] - ds.loss[0])) < 1e-5 and float(ds.mean_loops[3]) == 1  # infinity: one loop

@@ -495,7 +495,9 @@ def generate(model, tokens, max_new_tokens: int, loops: int | None = None, exit=
     try:
         kv = KVCache(B, max(T + n_new - 1, T), dev)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        if rule is None:  # the prompt in one pass
+        if n_new == 0:
+            pass
+        elif rule is None:  # the prompt in one pass
             logits, used_now = decode_step(model, kv, x, keep, r, None, horizon)
         else:  # every token the model reads exits by the rule: the prompt token by token (padding exits at once)
             for i in range(T):
