@@ -1,4 +1,4 @@
-"""Tiny models and inputs shared by the model and probe tests."""
+"""Tiny models, inputs and baselines shared by the tests."""
 
 import torch
 
@@ -28,3 +28,15 @@ def perturb(model, scale=0.05, seed=1):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
+
+
+DEMO_STEPS = 25  # steps of the session's shared demo model (conftest.demo_trained)
+
+
+def byte_unigram_entropy(data) -> float:
+    """Return the entropy (nats) of the byte frequencies of `data`: the loss of the best model blind to context."""
+    import numpy as np
+
+    counts = np.bincount(np.asarray(data, dtype=np.int64), minlength=256) / len(data)
+    counts = counts[counts > 0]
+    return float(-(counts * np.log(counts)).sum())
