@@ -26,7 +26,7 @@ def byte_data(n=30000, seed=0):
 def test_resume_is_bit_for_bit(tmp_path):
     data, val = byte_data(), byte_data(4000, 1)
     tc = TrainConfig(steps=8, batch_size=4, seq_len=32, loop_sampler="uniform", loop_min=1, loop_max=5,
-                     backward_loops=2, eval_every=4, progress=False, seed=3)
+                     backward_loops=2, eval_every=4, progress=False, seed=3, checkpoint_every=2, keep_checkpoints=3)
     straight = Trainer(CFG, tc, data, val, out_dir=tmp_path / "a").run()
     first = Trainer(CFG, tc, data, val, out_dir=tmp_path / "b")
     for _ in range(5):
@@ -42,6 +42,12 @@ def test_resume_is_bit_for_bit(tmp_path):
     a, b = load_model(tmp_path / "a"), load_model(tmp_path / "b")
     for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(va, vb), k
+    # keep_checkpoints=3: the three newest stay, whole; step 6 of both runs is the same checkpoint
+    kept = {d: sorted(int(p.name[5:]) for p in (tmp_path / d).glob("ckpt-*")) for d in "ab"}
+    assert kept == {"a": [4, 6, 8], "b": [5, 6, 8]}
+    for name in ("model.safetensors", "optim.safetensors"):  # (state.json holds step times)
+        a6, b6 = ((tmp_path / d / "ckpt-00000006" / name).read_bytes() for d in "ab")
+        assert a6 == b6, name
 
 
 KILLER = textwrap.dedent("""
@@ -108,6 +114,9 @@ def test_schedules_and_loop_sampling():
     assert all(lr_at(s, 100, tc) >= lr_at(s + 1, 100, tc) for s in range(10, 99))
     wsd = TrainConfig(steps=100, lr=1.0, warmup=10, schedule="wsd", decay_frac=0.2, min_lr_ratio=0.0)
     assert lr_at(50, 100, wsd) == 1.0 and lr_at(79, 100, wsd) == 1.0 and lr_at(99, 100, wsd) == pytest.approx(0.0)
+    const = TrainConfig(steps=100, lr=1.0, warmup=10, schedule="constant", min_lr_ratio=0.1)
+    assert [lr_at(s, 100, const) for s in (0, 9)] == [pytest.approx(0.1), 1.0]
+    assert all(lr_at(s, total, const) == 1.0 for total in (20, 100, 1000) for s in range(10, total))
     pl = TrainConfig(steps=1, loop_sampler="poisson_lognormal", loops=8, backward_loops=4, seed=1)
     draws = [sample_loops(s, pl, 4) for s in range(2000)]
     assert draws[:50] == [sample_loops(s, pl, 4) for s in range(50)]  # replayable from the step alone
@@ -179,19 +188,17 @@ def test_budget_from_flops_and_chinchilla():
     assert t.total_steps == 20 * (pc["once"] + pc["rec"]) // (4 * 32)
 
 
-def test_a_tiny_model_learns_the_builtin_corpus():
+def test_a_tiny_model_learns_the_builtin_corpus(demo_trained):
+    """The Trainer learns: the demo model (conftest, 25 steps) ends below the byte unigram entropy."""
+    from helpers import byte_unigram_entropy
     from workbench.data.corpus import stdlib_bytes
 
-    raw = np.frombuffer(stdlib_bytes(600_000), dtype=np.uint8).astype(np.uint16)
-    train, val = raw[:500_000], raw[500_000:]
-    counts = np.bincount(val, minlength=256) / len(val)
-    unigram = -(counts[counts > 0] * np.log(counts[counts > 0])).sum()
-    cfg = CFG.replace(d_model=64, loops=2)
-    tc = TrainConfig(steps=150, batch_size=16, seq_len=64, lr=1e-2, warmup=10, progress=False)
-    ds = Trainer(cfg, tc, train, val).run()
-    final = ds.eval_loss.isel(eval_step=-1).sel(loop=2).item()
-    # unigram entropy of stdlib bytes is about 3.0 nats; 150 steps reach about 2.3
-    assert final < unigram - 0.5, (final, unigram)
+    raw = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8)
+    unigram = byte_unigram_entropy(raw[int(0.95 * len(raw)):])  # its validation text: about 3.09 nats
+    ds = demo_trained.metrics_dataset()
+    final = ds.eval_loss.isel(eval_step=-1).sel(loop=demo_trained.cfg.loops).item()
+    assert final < unigram - 0.3, (final, unigram)  # 25 steps reach about 2.6
+    assert ds.loss.values[-5:].mean() < ds.loss.values[:5].mean() - 1.0  # the training loss fell too
 
 
 def test_example_batches_grade_each_loop_on_its_step():
@@ -235,17 +242,26 @@ DDP_WORKER = textwrap.dedent("""
     if world > 1:
         dist.init_process_group("gloo")
     data = np.random.default_rng(0).integers(0, 256, 30000).astype(np.uint16)
-    # fp32: the comparison is against a reference (one process), which bf16 rounding would blur
-    tc = TrainConfig(steps=3, batch_size=8 // world, seq_len=32, progress=False, muon=False, grad_clip=0.0,
-                     bf16="off")
-    t = Trainer(cfg, tc, data, out_dir=out)
-    t.run()
+    # the defaults Muon and clipping (grad_clip=1.0) on; fp32, since one process is the reference
+    tc = TrainConfig(steps=3, batch_size=8 // world, seq_len=32, lr=1e-2, warmup=0, progress=False, bf16="off",
+                     compile="off")
+    Trainer(cfg, tc, data, out_dir=out).run()
     if world > 1:
         dist.destroy_process_group()
 """)
 
 
 def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path):
+    """Two gloo ranks on half batches each against one process on the whole batch, Muon and clipping on.
+
+    Parameters agree to 1e-3 (Muon's Newton-Schulz runs in bf16, so rounding of the averaged gradient
+    moves an update by up to 1.5e-4 here) while every tensor moved by more than 5e-3; the logged loss and
+    gradient norm (the whole batch's, not rank 0's shard) agree to 1e-5 relative. A sum instead of a mean
+    all-reduce doubles the gradient norm; Muon, clipping and AdamW are nearly blind to the gradient's
+    scale (the parameters then differ by ~1e-3, at the tolerance), so the metrics are what catch it.
+    """
+    import xarray as xr
+
     worker = tmp_path / "worker.py"
     worker.write_text(DDP_WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -256,15 +272,32 @@ def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path):
                           str(worker), CFG.to_json(), str(tmp_path / "two")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
+    ma, mb = (xr.load_dataset(tmp_path / d / "metrics.nc", engine="h5netcdf") for d in ("one", "two"))
+    for var in ("lr", "loops", "backward_loops"):
+        assert ma[var].values.tolist() == mb[var].values.tolist(), var
+    for var in ("loss", "grad_norm"):
+        np.testing.assert_allclose(mb[var].values, ma[var].values, rtol=1e-5, err_msg=var)
+    assert (ma.grad_norm.values > 0).all()
     a, b = load_model(tmp_path / "one"), load_model(tmp_path / "two")
+    start = LoopLM(CFG, seed=0).state_dict()
     for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-4, msg=k)
-    assert not (tmp_path / "two" / "ckpt-00000003" / "rank1").exists()
+        torch.testing.assert_close(vb, va, atol=1e-3, rtol=0, msg=k)
+        assert float((va - start[k]).abs().max()) > 5e-3, k  # well above the tolerance: training moved it
+    # rank 0 alone writes: the same files as one process (no per-rank copies, nothing half-written)
+    files = {d: sorted(str(p.relative_to(tmp_path / d)) for p in (tmp_path / d).rglob("*") if p.is_file())
+             for d in ("one", "two")}
+    assert files["one"] == files["two"] and "ckpt-00000003/model.safetensors" in files["one"]
     assert json.loads((tmp_path / "two" / "latest.json").read_text())["step"] == 3
 
 
 def test_a_tiny_looped_model_solves_iterated_steps_at_depth_4():
-    # per-loop supervision: loop t is graded on the state after step t (x + t*c mod 10)
+    """Per-loop supervision: loop t is graded on the state after step t (x + t*c mod 10).
+
+    The loss sits on a plateau (~0.8) until the model finds the rule, then falls to ~0.01 by step 450.
+    At lr 1e-2 the escape came late or not at all, depending on the thread count (accuracy 0.33 with
+    one thread); at lr 2e-2 every run measured (seeds 0-3, one and two threads) escapes by step ~400
+    and ends at accuracy 1.0. fp32 pinned: bf16 "auto" depends on the CPU's flags.
+    """
     from workbench.data.tasks import make_task
     from workbench.evals import loop_sweep
     from workbench.train import ExampleBatches
@@ -276,7 +309,8 @@ def test_a_tiny_looped_model_solves_iterated_steps_at_depth_4():
     train = make_task("iterated", 4000, depth=4, seed=0, rule="add")
     test = make_task("iterated", 200, depth=4, seed=1, rule="add")  # unseen draws
     cfg = LoopConfig(vocab_size=128, d_model=64, n_heads=4, prelude=1, core=1, coda=1, loops=4, max_seq_len=64)
-    tc = TrainConfig(steps=500, batch_size=64, seq_len=48, lr=1e-2, warmup=20, progress=False, seed=0)
+    tc = TrainConfig(steps=500, batch_size=64, seq_len=48, lr=2e-2, warmup=20, progress=False, seed=0, bf16="off",
+                     compile="off")
     trainer = Trainer(cfg, tc, ExampleBatches(train, Bytes(), 64, 4, seed=0))
     trainer.run()
     ds = loop_sweep(trainer.model, test, [1, 4], tokenizer=Bytes(), progress=False)

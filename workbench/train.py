@@ -625,6 +625,10 @@ class Trainer:
         dt = time.perf_counter() - t0
         n_tok = (batch["tokens"].numel() if isinstance(batch, dict) else batch[:, :-1].numel())
         value = float(loss.item())
+        if self.world > 1:  # each rank's loss is its shard's: log the whole batch's, as one process would
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            value = float(mean.item()) / self.world
         compiled = float(compile_count() != graphs)  # this step built a graph (forward and its backward)
         for key, v in (("loss", value), ("lr", lr), ("grad_norm", float(gn)), ("tokens_per_s", n_tok / dt),
                        ("loops", r), ("backward_loops", k), ("step_s", dt), ("compiled", compiled)):
