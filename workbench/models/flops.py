@@ -7,8 +7,10 @@ truncated BPTT:
     6 N_once + 2 N_rec r + 4 N_rec k
 
 Optional terms, each counted the same way (forward 2, backward 4, core occurrences r and k times):
-- attention scores and weighted values (Kaplan et al. 2020's causal count): `2 seq_len d_model` per layer
-  occurrence forward, so `6 a L_once + (2 r + 4 k) a L_core` with `a = 2 seq_len d_model`;
+- attention scores and weighted values, both full T x T products as Hoffmann et al. 2022 (appendix F)
+  count them: `4 seq_len d_model` per token and layer occurrence forward (twice Kaplan et al. 2020's
+  causal count), i.e. `a = 2 seq_len d_model` counted like a parameter: `6 a L_once + (2 r + 4 k) a L_core`
+  (what torch's FlopCounterMode counts under the math attention kernel, tests/test_model.py);
 - the LM head: `6 d_model V` (its parameters are excluded from N_once and N_rec by default, SPEC §1).
 Every argument may be a number or a numpy array; arrays broadcast (e.g. a grid of loop counts).
 """

@@ -275,8 +275,9 @@ class LoopLM(nn.Module):
                         seq_len: int | None = None, include_head: bool = False) -> float:
         """Return training FLOPs per token: 6 N_once + 2 N_rec r + 4 N_rec k (+ attention, + head).
 
-        Attention adds 2 * seq_len * d per layer occurrence forward (Kaplan et al.'s causal count),
-        doubled for backward, when `seq_len` is given; `include_head` adds 6 d V for the LM head.
+        Attention adds 4 * seq_len * d per layer occurrence forward (the full T x T score and value
+        products, as Hoffmann et al. count them), twice that backward, when `seq_len` is given;
+        `include_head` adds 6 d V for the LM head.
         """
         r, k = self._loops_and_k(loops, backward_loops)
         pc, c = self.param_counts(), self.cfg
