@@ -63,9 +63,12 @@ def test_loops_below_one_at_call_time_is_rejected():
 
 
 def test_config_is_frozen():
+    import dataclasses
+
     cfg = LoopConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="loops"):
         cfg.loops = 3  # type: ignore[misc]
+    assert cfg.loops == LoopConfig().loops
     assert cfg.replace(loops=3).loops == 3
 
 

@@ -9,7 +9,8 @@ from workbench.experiments import law_table, load_run, sweep_table, train_run
 from workbench.evals import loop_sweep
 
 MODEL = dict(d_model=16, n_heads=2, n_kv_heads=1, prelude=1, core=1, coda=1, loops=2, max_seq_len=64)
-TRAIN = dict(steps=3, batch_size=4, seq_len=32, checkpoint_every=2)
+# fp32: results are compared with references (the bf16 path is tested in test_fast_path)
+TRAIN = dict(steps=3, batch_size=4, seq_len=32, checkpoint_every=2, bf16="off")
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,22 @@ def test_results_agree_with_the_model(trained):
     assert float(ds.tokens) == 3 * 4 * 32 and ds.sizes["step"] == 3
     on_disk = xr.load_dataset(out / "results.nc", engine="h5netcdf")
     assert np.array_equal(on_disk.loss.values, ds.loss.values)
-    # the sweep in results is what loop_sweep gives on the trainer's validation batches
-    assert np.isfinite(ds.loss.values).all() and (ds.loss.values > 0).all()
+    # the sweep in results is what loop_sweep gives on the trainer's validation batches, rebuilt here:
+    # eval_batches batches of min(batch_size, 8) windows of the run's validation split, seeded seed + 1
+    from workbench.data.corpus import BatchSampler
+    from workbench.train import TrainConfig
+
+    tc = TrainConfig.from_json(ds.attrs["train_config"])
+    sampler = BatchSampler(np.asarray(run.data().val), min(tc.batch_size, 8), tc.seq_len, seed=tc.seed + 1)
+    val = torch.cat([next(sampler) for _ in range(tc.eval_batches)])
+    sweep = loop_sweep(run.model, val, [1, 2, 3], progress=False)
+    assert sweep.loss.values.tolist() == ds.loss.values.tolist()
+    assert sweep.accuracy.values.tolist() == ds.accuracy.values.tolist()
+    with torch.no_grad():  # and loop_sweep's loss is the plain cross-entropy of the model's logits
+        for r in (1, 2, 3):
+            logits = run.model(val[:, :-1], loops=r).logits
+            ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), val[:, 1:].flatten())
+            assert float(ds.loss.sel(loop=r)) == pytest.approx(float(ref), rel=1e-5), r
 
 
 def test_load_run_reopens_the_same_model_and_held_out_data(trained):
@@ -88,16 +103,42 @@ def test_run_folder_layout_and_older_layouts_open(trained, tmp_path):
     assert read_run_config(bare)["data"] == {}
 
 
-def test_rerun_resumes_from_the_checkpoint(trained, tmp_path):
-    out, _, first = trained
+def counting_steps(monkeypatch) -> list:
+    """Patch Trainer.train_step to record the step each call starts at; return that (growing) list."""
+    from workbench.train import Trainer
+
+    real, calls = Trainer.train_step, []
+
+    def step(self):
+        calls.append(self.step)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    return calls
+
+
+def test_rerun_resumes_from_the_checkpoint(trained, tmp_path, monkeypatch):
+    """A rerun with a larger budget trains only the missing steps and ends bit-identical to a straight run.
+
+    (warmup 10 > 5 steps: the learning rate does not depend on the total, so a straight 5-step run is
+    the reference; a rerun that retrained from scratch would match it too, hence the step count.)
+    """
     import shutil
 
+    out, _, first = trained
+    _, straight = train_run(tmp_path / "straight", MODEL, {**TRAIN, "steps": 5}, vocab_size=300, eval_loops=[1, 3])
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
+    calls = counting_steps(monkeypatch)
     _, longer = train_run(copy, MODEL, {**TRAIN, "steps": 5}, vocab_size=300, eval_loops=[1, 3])
+    assert calls == [3, 4]  # only the two missing steps ran, from the checkpoint's step
     assert longer.sizes["step"] == 5
-    # the first steps were not retrained: their recorded losses are the first run's
-    assert np.array_equal(longer.train_loss.values[:3], first.train_loss.values)
+    assert np.array_equal(longer.train_loss.values[:3], first.train_loss.values)  # not retrained
+    assert longer.train_loss.values.tolist() == straight.train_loss.values.tolist()
+    assert longer.loss.values.tolist() == straight.loss.values.tolist()
+    for name in ("model.safetensors", "optim.safetensors"):  # weights and optimiser state, byte for byte
+        resumed, reference = ((d / "ckpt-00000005" / name).read_bytes() for d in (copy, tmp_path / "straight"))
+        assert resumed == reference, name
 
 
 def test_law_table_and_sweep_table(trained, tmp_path):

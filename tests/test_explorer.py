@@ -438,11 +438,31 @@ def test_quickstart_runs_open_in_the_explorer(tmp_path):
     assert ex.message == "" and isinstance(ex.tokenizer, ByteTokenizer) and ex.model.cfg.vocab_size == 256
 
 
-def test_tiny_model_trains_and_explores():
-    from workbench.experiments import tiny_model
+def test_tiny_model_trains_and_explores(monkeypatch, demo_trained):
+    """tiny_model gives the demo model (trained once per session, conftest) and the explorer shows it learned."""
+    import numpy as np
 
-    model, tok = tiny_model(steps=1, seed=0, progress=False)
+    import workbench.experiments.explorer as E
+    from helpers import DEMO_STEPS
+    from workbench.data.corpus import stdlib_bytes
+    from workbench.viz.explorer import DEFAULT_TEXT
+
+    def trained(steps, seed, progress):
+        assert (steps, seed) == (DEMO_STEPS, 0)
+        return demo_trained
+
+    monkeypatch.setattr(E, "demo_trainer", trained)
+    model, tok = E.tiny_model(steps=DEMO_STEPS, seed=0, progress=False)
+    assert model is demo_trained.model and not model.training
     assert model.cfg.vocab_size == 256 and tok.decode(tok.encode("é ok")) == "é ok"
+    # learned: on the default prompt the loss at K is well below the best context-free model's, the
+    # cross-entropy of the prompt under the training text's byte frequencies (3.38 nats; K gives ~2.86)
+    data = np.frombuffer(stdlib_bytes(2_000_000), dtype=np.uint8)
+    q = np.bincount(data[:int(0.95 * len(data))], minlength=256) + 1.0
+    text = np.frombuffer(DEFAULT_TEXT.encode(), dtype=np.uint8)
+    unigram = float(-np.log(q[text[1:]] / q.sum()).mean())
+    seen = LoopExplorer(model, tok, max_loops=4)
+    assert float(seen.view.loss.sel(loop=4)) < unigram - 0.25, (seen.view.loss.values, unigram)
     ex = LoopExplorer(model, tok, text="import os\n", max_loops=6)
     assert ex.view.sizes["loop"] == 6 and ex.labels[-1] == "\\n"
     ex.set_loop(6)
