@@ -127,7 +127,8 @@ class TrainConfig:
     seed: int = 0
     device: str | None = None
     bf16: str = "auto"  # auto: bf16 autocast where the device does bf16 fast (models.precision); on; off
-    compile: str = "auto"  # auto: compile the blocks when the run repays it (compile_pays); on; off
+    compile: str = "auto"  # auto: compile the blocks when the run is long enough to repay a first compile of
+    # about a minute (training FLOPs >= COMPILE_AUTO_FLOPS, compile_pays); on; off
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -296,13 +297,14 @@ def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, wei
 
 # ---- compilation: each Block compiled, the loop left eager ---------------------------------------------------
 # compile="auto" compiles when a run's training FLOPs (FLOPs per token x tokens, head and attention
-# included) reach COMPILE_AUTO_FLOPS for the device type: there the first compile repays itself
-# at least twice over. On a CPU the first compile of the blocks (forward, backward and, under
-# truncation, the no-grad forward) takes about a minute on 2 cores and the compiled bf16 step is
-# about a quarter faster than the eager one (benchmarks/bench_fast.py, docs/benchmarks.md); at
-# ~150 GFLOP/s of eager bf16 training, 1.5e14 FLOPs are ~17 minutes of training, which a quarter
-# shortens by ~4 minutes. On CUDA the compile is similar and the eager step is launch-bound for
-# models this size, so the threshold sits where ~20 TFLOP/s would train for ~4 minutes.
+# included) reach COMPILE_AUTO_FLOPS for the device type, where the first compile repays itself at
+# least twice over. Measured on 2 AVX512-BF16 cores (2026-11-30, docs/benchmarks.md): a cold first
+# compile of the blocks takes 40-80 s (seconds when inductor's on-disk cache already holds them), and
+# the compiled bf16 step is 13-15% faster than the eager one (2+2x4+2 d=256: 1.96 against 2.25 s on
+# one thread; the quickstart's 1+2x4+1 d=128: 0.31 against 0.37 s). 1.5e14 FLOPs are ~900 steps of
+# the d=256 model, ~30 minutes of eager training, from which compiling saves ~4 minutes. On CUDA the
+# compile costs about as much and the eager step of models this size is launch-bound, so the
+# threshold sits where ~20 TFLOP/s would train for ~4 minutes.
 COMPILE_AUTO_FLOPS = {"cpu": 1.5e14, "cuda": 5e15}
 _COMPILED: dict[str, Any] = {}  # torch.compile of Block.forward / Block.delta, made once per process
 
