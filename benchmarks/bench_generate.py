@@ -100,7 +100,8 @@ def main() -> None:
 
     print("# bench_generate (issue 17)")
     print(f"date          : {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
-    print(f"python        : {platform.python_version()}   torch {torch.__version__}   transformers {transformers.__version__}")
+    print(f"python        : {platform.python_version()}   torch {torch.__version__}   "
+          f"transformers {transformers.__version__}")
     print(f"cpu           : {cpu_model()}  ({os.cpu_count()} logical cores), torch threads {torch.get_num_threads()}")
     print(f"device        : {dev}   rounds: cached and hf {reps}, uncached {ureps} (after the first round), "
           f"after 1 warmup (32 tokens)")
@@ -140,7 +141,8 @@ def main() -> None:
     print()
     print(f"{'target':<40}{'value':>9}{'target':>10}  result")
     print(f"{'1 t_cached / t_hf (fixed r=4)':<40}{r1:>8.3f}x{'<= 1.2':>10}  {'PASS' if r1 <= 1.2 else 'FAIL'}")
-    print(f"{'2 t_uncached / t_cached (' + str(n) + ' new)':<40}{r2:>8.2f}x{'>= 10':>10}  {'PASS' if r2 >= 10 else 'FAIL'}")
+    label = f"2 t_uncached / t_cached ({n} new)"
+    print(f"{label:<40}{r2:>8.2f}x{'>= 10':>10}  {'PASS' if r2 >= 10 else 'FAIL'}")
     print(f"rounds (s): " + "; ".join(f"{k} " + ", ".join(f"{v:.2f}" for v in times[k]) for k in fns))
 
 

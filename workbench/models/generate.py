@@ -37,7 +37,6 @@ training loop on a frozen model is `workbench.experiments.generate.train_exit_ga
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
