@@ -35,7 +35,7 @@ STANDALONE = {
     "tour": {"steps": 3, "d_model": 16, "loops": 2, "max_loops": 4},
     "explorer": {"train_steps": 3, "max_loops": 4},
 }
-PARAM_LINE = re.compile(r"^(\w+): (\w+) = (.+?)  # (.+)$")
+PARAM_LINE = re.compile(r"^(\w+): (\w+)(\[\w+\])? = (.+?)  # (.+)$")  # list[int]: the runner checks elements
 
 
 def _param_lines(path: Path) -> list[str]:
@@ -58,6 +58,7 @@ def test_parameters_are_typed_documented_and_parsed(path):
         assert m, f"{path.name}: parameter line {line!r} must read 'name: type = value  # help'"
         names.append(m.group(1))
         assert m.group(2) in ("int", "float", "str", "bool", "list", "dict"), line
+        assert m.group(3) is None or (m.group(2) == "list" and m.group(3)[1:-1] in ("int", "float", "str", "bool")), line
     assert sorted(names) == sorted(declared), f"{path.name}: papermill parsed {sorted(declared)}"
     if path.stem != "explorer":  # the explorer is interactive and writes nothing
         assert "out_dir" in declared
