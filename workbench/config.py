@@ -22,6 +22,17 @@ TAPER = ("uniform", "cosine", "reverse")
 
 
 # ---- argument checks, shared by the whole library ------------------------------------------------------
+def from_fields(cls, data: Any):
+    """Return cls(**data) for a config dataclass, rejecting a non-mapping and unknown keys by name."""
+    if not isinstance(data, dict):
+        fail(cls.__name__, data, f"must be a mapping of {cls.__name__} fields (a JSON object)")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; known fields: {sorted(known)}")
+    return cls(**data)
+
+
 def fail(field: str, value: Any, allowed: str) -> NoReturn:
     """Raise ValueError "<field>=<value!r> is invalid: <allowed>"; never returns."""
     raise ValueError(f"{field}={value!r} is invalid: {allowed}")
@@ -207,13 +218,7 @@ class LoopConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LoopConfig":
         """Return the config described by a dict, rejecting a non-mapping and unknown keys by name."""
-        if not isinstance(data, dict):
-            fail("LoopConfig", data, "must be a mapping of LoopConfig fields (a JSON object)")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"LoopConfig has no field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
+        return from_fields(cls, data)
 
     @classmethod
     def from_json(cls, text: str) -> "LoopConfig":

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
-from .config import LoopConfig, check_bool, check_choice, check_float, check_int, fail
+from .config import LoopConfig, check_bool, check_choice, check_float, check_int, fail, from_fields
 from .io import holds_run, load_tensors, mark_failed, provenance, read_json, save_netcdf, write_progress
 from .models.looped import LoopLM
 from .models.precision import autocast, check_precision, precision_name, use_bf16
@@ -192,13 +192,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
         """Return the config described by a dict, rejecting a non-mapping and unknown keys by name."""
-        if not isinstance(data, dict):
-            fail("TrainConfig", data, "must be a mapping of TrainConfig fields (a JSON object)")
-        known = {fl.name for fl in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"TrainConfig has no field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
+        return from_fields(cls, data)
 
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
