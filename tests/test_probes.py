@@ -172,15 +172,8 @@ def test_interaction_equals_one_forward_per_skip(variant):
     x = tokens(1)
     r = 3
     ds = probes.interaction(model, x, loops=r, chunk=3)  # several chunks
-    with torch.no_grad():
-        base, _, _ = ref_pass(model, x, r)
-        n = len(base)
-        want = np.full((n, n), np.nan)
-        for i in range(n):
-            skipped, _, _ = ref_pass(model, x, r, skip=i)
-            for j in range(i + 1, n):
-                num = (skipped[j][2] - base[j][2]).norm(dim=-1).mean()
-                want[i, j] = float(num / base[j][2].norm(dim=-1).mean())
+    want = skip_matrix(model, x, r)
+    n = want.shape[0]
     close(ds.interaction.values, want, atol=1e-4, rtol=1e-3)
     assert np.isnan(ds.interaction.values[np.tril_indices(n)]).all()
     # aggregation by loop lag over core pairs, and the terminal-to-core ratio
@@ -190,13 +183,47 @@ def test_interaction_equals_one_forward_per_skip(variant):
         vals = [want[names.index(a), names.index(b)] for a in loop_of for b in loop_of
                 if loop_of[b] - loop_of[a] == lag and not np.isnan(want[names.index(a), names.index(b)])]
         close(ds.interaction_by_lag.sel(lag=lag), np.mean(vals), atol=1e-4, rtol=1e-3)
-    core = [names.index(a) for a in loop_of]
-    last = [names.index(a) for a in loop_of if loop_of[a] == r]
-    coda = [names.index("coda.0")]
-    num = np.nanmean(want[np.ix_(core, coda)])
-    den = np.nanmean(want[np.ix_(core, last)])
-    close(ds.terminal_to_core, num / den, atol=1e-4, rtol=1e-3)
+    close(ds.terminal_to_core, ref_terminal_to_core(want, names, r), atol=1e-4, rtol=1e-3)
     assert ds.attrs["terminal_to_core"] == float(ds.terminal_to_core)
+
+
+def skip_matrix(model, x, r):
+    """Return C(i -> j) from one plain reference pass and one more per skipped occurrence (slow, obvious)."""
+    with torch.no_grad():
+        base, _, _ = ref_pass(model, x, r)
+        n = len(base)
+        want = np.full((n, n), np.nan)
+        for i in range(n):
+            skipped, _, _ = ref_pass(model, x, r, skip=i)
+            for j in range(i + 1, n):
+                num = (skipped[j][2] - base[j][2]).norm(dim=-1).mean()
+                want[i, j] = float(num / base[j][2].norm(dim=-1).mean())
+    return want
+
+
+def ref_terminal_to_core(C, names, r):
+    """SPEC §3 by pairs: terminal = coda blocks, else the last loop; sources = core outside it."""
+    coda = [j for j, nm in enumerate(names) if nm.startswith("coda.")]
+    core = {j: int(nm.split(".")[1]) for j, nm in enumerate(names) if nm.startswith("core.")}
+    terminal = coda or [j for j, t in core.items() if t == r]
+    inner = [j for j in core if j not in terminal]
+    num = [C[i, j] for i in inner for j in terminal if j > i]
+    den = [C[i, j] for i in inner for j in inner if j > i]
+    return np.mean(num) / np.mean(den)
+
+
+@pytest.mark.parametrize("split", [(2, 0), (1, 1), (0, 2)], ids=["2+2x4+0", "1+2x4+1", "0+2x4+2"])
+def test_terminal_to_core_is_finite_for_every_allocation_and_matches_one_forward_per_skip(split):
+    prelude, coda = split
+    model = perturb(LoopLM(cfg(prelude=prelude, coda=coda, core=2, loops=4), seed=3))
+    x = tokens(4)
+    ds = probes.interaction(model, x, loops=4)
+    want = skip_matrix(model, x, 4)
+    names = list(ds.source.values)
+    assert (names[-1].startswith("coda.")) == (coda > 0)
+    ratio = float(ds.terminal_to_core)
+    assert np.isfinite(ratio) and ratio > 0
+    close(ratio, ref_terminal_to_core(want, names, 4), atol=1e-4, rtol=1e-3)
 
 
 def test_interaction_is_the_same_in_one_chunk_or_many():

@@ -18,9 +18,11 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
     the update of block occurrence j and (-i) means occurrence i is skipped (a hook at its place
     returns its input, so a hyper-connected layer's update is 0). NaN where j <= i.
     `interaction_by_lag` is the mean of C over pairs of core occurrences whose loops differ by `lag`
-    (lag 0: later layers of the same loop). `terminal_to_core` (variable and attr) is the mean C from
-    core sources to the coda blocks over the mean C from core sources to the blocks of the last core
-    loop. `update_norm` is mean_tokens |u_j| over `target`.
+    (lag 0: later layers of the same loop). `terminal_to_core` (variable and attr) is, for
+    every allocation, the mean C from core sources to the terminal stage (the coda blocks, or the last
+    loop's blocks for a coda-free model) over the mean C from the same sources to the core blocks after
+    them outside the terminal stage (SPEC §3); NaN only when no such pair exists (a single loop without
+    a coda). `update_norm` is mean_tokens |u_j| over `target`.
 
     Needs a LoopLM (named block occurrences). Cost: one plain pass that keeps its states, then, for
     each stage (prelude, each loop, coda), one pass of that stage's skip variants stacked along the
@@ -99,10 +101,12 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
         vals = vals[~np.isnan(vals)]
         return float(vals.mean()) if vals.size else float("nan")
 
-    core_idx = np.flatnonzero(core)
-    coda_idx = np.flatnonzero(stage == "coda")
-    last_idx = np.flatnonzero(core & (oloop == r))
-    ratio = block_mean(core_idx, coda_idx) / block_mean(core_idx, last_idx) if coda_idx.size else float("nan")
+    # SPEC §3: the terminal stage is the coda, or the last loop when there is none; sources are the core
+    # occurrences outside it; the reference is their response in the core blocks after them outside it.
+    terminal = (stage == "coda") if (stage == "coda").any() else (core & (oloop == r))
+    inner = np.flatnonzero(core & ~terminal)
+    # C is NaN where target <= source, so block_mean over (inner, inner) keeps only the later targets
+    ratio = block_mean(inner, np.flatnonzero(terminal)) / block_mean(inner, inner)
     layer = np.array([o[3] for o in occ])
     coords = {"source": names, "target": names,
               "source_stage": ("source", stage), "source_loop": ("source", oloop), "source_layer": ("source", layer),
@@ -112,6 +116,6 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
         {"interaction": (("source", "target"), C, {"long_name": "C(source -> target)"}),
          "interaction_by_lag": ("lag", np.array(by_lag), {"long_name": "mean C over core pairs at this loop lag"}),
          "update_norm": ("target", den.cpu().double().numpy(), {"long_name": "mean_tokens |u_j|"}),
-         "terminal_to_core": ((), ratio, {"long_name": "mean C(core -> coda) / mean C(core -> last core loop)"})},
+         "terminal_to_core": ((), ratio, {"long_name": "mean C(core -> terminal stage) / mean C(core -> later core outside it)"})},
         coords=coords,
         attrs=attrs(model, "interaction", loops=r, horizon=T, terminal_to_core=ratio, chunk=chunk))
