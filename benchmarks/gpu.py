@@ -11,6 +11,7 @@ in the same run. Target on an H200: >= 45 %.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import LoopConfig, LoopLM  # noqa: E402
-from workbench.train import TrainConfig, make_optimizers  # noqa: E402
+from workbench.train import TrainConfig, compiled_blocks, make_optimizers  # noqa: E402
 
 
 def main() -> None:
@@ -45,15 +46,17 @@ def main() -> None:
         B, T, steps = args.batch or 16, args.seq or 2048, args.steps or 20
     compile_ = cuda and not args.no_compile
     model = LoopLM(cfg).to(dev)
-    step_model = torch.compile(model) if compile_ else model
+    # the Trainer's compile: each Block compiled, the loop eager (compiling the whole unrolled model took
+    # over two minutes on an H200 before its first step)
+    blocks = (lambda: compiled_blocks(model)) if compile_ else contextlib.nullcontext
     opts = make_optimizers(model, TrainConfig(steps=1))
     x = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
     y = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     def step() -> None:
-        with autocast:
-            loss = step_model(x, targets=y, return_logits=False).loss
+        with autocast, blocks():
+            loss = model(x, targets=y, return_logits=False).loss
         loss.backward()
         for o in opts:
             o.step()
@@ -69,6 +72,8 @@ def main() -> None:
             torch.cuda.synchronize()
         if i >= 2:  # compile and allocator warmup
             times.append(time.perf_counter() - t0)
+        else:
+            print(f"warmup step {i}: {time.perf_counter() - t0:.1f} s", flush=True)
     dt = statistics.median(times)
     fpt = model.flops_per_token(cfg.loops, cfg.loops, seq_len=T, include_head=True)
     achieved = fpt * B * T / dt
