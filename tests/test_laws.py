@@ -304,6 +304,129 @@ def test_chinchilla_optimal_matches_brute_force():
         assert 6 * got["n"] * got["tokens"] == pytest.approx(flops)
 
 
+def brute_setting(p, flops, n_once, n_rec, loops, sizes=None, law="truncation"):
+    """Slow reference: the lowest loss over every (size, r, k in 1..r) written out; sizes=None keeps the shape's size.
+
+    Returns (loss, n, r, k, tokens) of the best cell, and the same for the best cell with k = r."""
+    share = n_once / (n_once + n_rec)
+    ns = np.array([n_once + n_rec]) if sizes is None else np.asarray(sizes)
+    best, full = None, None
+    for r in loops:
+        for k in (range(1, r + 1) if law == "truncation" else [r]):
+            mult = k ** p["phi"] + p["psi"] * (r ** p["phi"] - k ** p["phi"]) if law == "truncation" else r ** p["phi"]
+            no, nr = ns * share, ns * (1 - share)
+            d = flops / (6 * no + 2 * nr * r + 4 * nr * k)
+            loss = p["E"] + p["A"] * (no + mult * nr) ** -p["alpha"] + p["B"] * d ** -p["beta"]
+            i = int(np.argmin(loss))
+            cell = (loss[i], ns[i], r, k, d[i])
+            if best is None or cell[0] < best[0]:
+                best = cell
+            if k == r and (full is None or cell[0] < full[0]):
+                full = cell
+    return best, full
+
+
+def assert_matches(got, ref, step):
+    """The search's answer equals the brute-force cell: same (r, k), size within one grid step, loss no worse."""
+    loss, n, r, k, d = ref
+    assert (got["loops"], got["backward_loops"]) == (r, k)
+    assert got["n_once"] + got["n_rec"] == pytest.approx(n, rel=step)
+    assert got["tokens"] == pytest.approx(d, rel=step)
+    assert got["loss"] <= loss * (1 + 1e-12) and got["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["free", "bounded", "fixed"])
+def test_optimal_setting_matches_brute_force_grid_over_size_loops_and_backward_loops(case):
+    # free: phi, psi high enough that the optimum is truncated and inside the loop grid (r = 11, k = 1 at any
+    # budget); bounded: the planted law with the size capped, so loops pay at large budgets; fixed: one size
+    p = dict(TRUE, phi=0.9, psi=0.6) if case == "free" else dict(TRUE)
+    fit = laws.LawFit.from_params("truncation", **p)
+    n_once, n_rec, loops = 3e6, 1.2e7, range(1, 17)
+    size_range = (1e6, 4e7) if case == "bounded" else None
+    sizes = {"free": np.logspace(6, 12, 3001), "bounded": np.logspace(6, math.log10(4e7), 1001), "fixed": None}[case]
+    step = 1e-12 if sizes is None else (sizes[1] / sizes[0] - 1)
+    budgets = [1e17, 1e19, 1e21]
+    got = laws.optimal_setting(fit, budgets, n_once, n_rec, free_size=case != "fixed", loops_grid=loops,
+                               size_range=size_range)
+    seen = set()
+    for i, flops in enumerate(budgets):
+        best, full = brute_setting(p, flops, n_once, n_rec, loops, sizes)
+        pick = lambda d: {key: v[i] for key, v in d.items()}  # noqa: E731
+        assert_matches(pick({k: getattr(got, k) for k in ("n_once", "n_rec", "loops", "backward_loops", "tokens",
+                                                           "loss")}), best, step)
+        assert_matches(pick(got.full_bptt), full, step)
+        assert got.full_bptt_wins[i] == (best[3] == best[2])
+        assert got.loss[i] == pytest.approx(got.grid["loss"].sel(flops=flops).min().item(), rel=1e-12)
+        seen.add((best[2], best[3]))
+    ds = got.to_dataset()
+    assert ds["loss"].dims == ("flops",) and ds.attrs["free_size"] == int(case != "fixed")
+    assert np.allclose(ds["n"], got.n_once + got.n_rec) and np.array_equal(ds["full_bptt_wins"], got.full_bptt_wins)
+    if case == "free":        # unbounded size: the best (r, k) maximises N_eff / FLOPs, the same at every budget
+        assert seen == {(11, 1)}
+    else:                     # a fixed or capped size makes more loops pay as the budget grows
+        assert len(seen) > 1 and np.all(np.diff(got.loops) >= 0)
+
+
+def test_optimal_setting_full_bptt_wins_exactly_when_forward_only_loops_are_worthless():
+    # psi = 0: (r, k < r) has the N_eff of (k, k) at more FLOPs, so some k = r setting is best;
+    # psi = 1: (r, 1) has the N_eff of (r, r) at fewer FLOPs, so truncation to one loop is best whenever r > 1
+    for psi, free in itertools.product((0.0, 1.0), (False, True)):
+        fit = laws.LawFit.from_params("truncation", **dict(TRUE, phi=0.8, psi=psi))
+        got = laws.optimal_setting(fit, [1e18, 1e21], 3e6, 1.2e7, free_size=free, loops_grid=range(1, 13))
+        if psi == 0.0:
+            assert np.all(got.full_bptt_wins) and np.array_equal(got.backward_loops, got.loops)
+            assert np.allclose(got.full_bptt["loss"], got.loss, rtol=1e-12)
+        else:
+            assert np.all(got.loops > 1) and np.all(got.backward_loops == 1) and not np.any(got.full_bptt_wins)
+            assert np.all(got.full_bptt["loss"] > got.loss)
+
+
+def test_optimal_setting_at_fixed_size_agrees_with_optimal_allocation():
+    phi = laws.LawFit.from_params("phi", **{k: v for k, v in TRUE.items() if k != "psi"})
+    trunc = laws.LawFit.from_params("truncation", **TRUE)
+    half = lambda r: max(1, math.ceil(r / 2))  # noqa: E731
+    for fit, back in ((phi, None), (trunc, half), (trunc, 2)):
+        old = laws.optimal_allocation(fit, [1e17, 1e20], 3e6, 1.2e7, backward_loops=back)
+        new = laws.optimal_setting(fit, [1e17, 1e20], 3e6, 1.2e7, free_size=False, backward_loops=back)
+        assert np.array_equal(new.loops, old.loops) and np.array_equal(new.backward_loops, old.backward_loops)
+        assert np.allclose(new.loss, old.loss, rtol=1e-12) and np.allclose(new.tokens, old.tokens, rtol=1e-12)
+    one = laws.optimal_setting(phi, 1e19, 3e6, 1.2e7)            # a phi law cannot value truncation: k = r
+    assert isinstance(one.loops, float) and one.backward_loops == one.loops and one.full_bptt_wins is True
+    listed = laws.optimal_setting(trunc, 1e20, 3e6, 1.2e7, free_size=False, loops_grid=[2, 4, 8], backward_loops=[1, 4])
+    assert list(zip(*np.nonzero(listed.grid["searched"].values))) == [(0, 0), (1, 0), (1, 2), (2, 0), (2, 2)]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"flops": math.nan}, "flops=nan.*finite"),
+    ({"flops": math.inf}, "flops=inf.*finite"),
+    ({"flops": []}, "flops=.*non-empty"),
+    ({"loops_grid": []}, "loops_grid=.*non-empty"),
+    ({"loops_grid": [1, 2.5]}, "loops_grid=.*integer"),
+    ({"backward_loops": []}, "backward_loops=.*non-empty"),
+    ({"backward_loops": lambda r: r + 1}, "backward_loops gives k=2 at loops=1;.*1..loops"),
+    ({"backward_loops": [1, 40]}, "backward_loops has k=40.*<= loops"),
+    ({"backward_loops": 0}, "backward_loops=0"),
+    ({"backward_loops": "all"}, "backward_loops='all'"),
+    ({"size_range": (0, 1e8)}, "size_range=.*0 < N_min"),
+    ({"size_range": (1e8, 1e7)}, "size_range=.*N_min <= N_max"),
+    ({"size_range": (1e6, 1e8), "free_size": False}, "size_range=.*free_size=False"),
+    ({"n_rec": 0.0}, "n_rec=0.0"),
+    ({"free_size": 1}, "free_size=1"),
+], ids=["nan-flops", "inf-flops", "empty-flops", "empty-loops", "fractional-loops", "empty-k", "k>r", "k>max-r",
+        "k=0", "k-text", "zero-size", "inverted-size", "size-fixed", "zero-n_rec", "int-free_size"])
+def test_optimal_setting_bad_inputs_raise_value_errors_naming_the_field(kwargs, match):
+    fit = laws.LawFit.from_params("truncation", **TRUE)
+    args = dict(flops=1e19, n_once=3e6, n_rec=1.2e7, loops_grid=range(1, 9)) | kwargs
+    with pytest.raises(ValueError, match=match):
+        laws.optimal_setting(fit, **args)
+    chin = laws.LawFit.from_params("chinchilla", E=1.7, A=400, B=400, alpha=0.3, beta=0.3)
+    with pytest.raises(ValueError, match="fit_phi or fit_truncation"):
+        laws.optimal_setting(chin, 1e19, 3e6, 1.2e7)
+    flat = laws.LawFit.from_params("truncation", **dict(TRUE, alpha=-0.1))
+    with pytest.raises(ValueError, match="alpha=-0.1.*both > 0"):
+        laws.optimal_setting(flat, 1e19, 3e6, 1.2e7)
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 def small_table(**change):
     t = {k: v[:12].copy() for k, v in phi_table(seed=0).items()}
