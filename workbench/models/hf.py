@@ -1,9 +1,12 @@
-"""Hugging Face interop: a `LlamaForCausalLM` <-> `LoopLM` (fused QKV and gate/up, same rotary convention).
+"""Hugging Face interop: a Llama- or Qwen2-family causal LM <-> `LoopLM` (fused QKV and gate/up, same rotary).
 
 At loops=1 the LoopLM built by `from_hf` runs layers prelude -> core -> coda once, i.e. exactly the
-Llama's layers 0..n-1, so its logits equal the Llama's (SPEC §5). Bases to convert: `load_gguf` reads
-a Llama from a GGUF file offline (SmolLM2's: `experiments.retrofit.load_smollm2`, which also gives its
-tokenizer), `random_llama` draws a tiny seeded one for fast runs.
+base's layers 0..n-1, so its logits equal the base's (SPEC §5). Families (`FAMILIES`):
+`LlamaForCausalLM` and `Qwen2ForCausalLM` (Qwen2 is a Llama with q/k/v biases; attention biases are
+read from the weights, so no flag is needed). `to_hf` writes a `LlamaForCausalLM` either way. Bases to
+convert: `load_base` reads one offline from a local directory written by `save_pretrained` or from a
+GGUF file (`load_gguf`; SmolLM2's: `experiments.retrofit.load_smollm2`, which also gives its
+tokenizer), `random_llama` / `random_qwen2` draw tiny seeded ones for fast runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .looped import LoopLM
 _LOOP_DEFAULTS = {"inject": "none", "history": 0, "timestep": "none", "hyper": 1,
                   "sandwich_norm": False, "taper": "uniform", "adapter_rank": 0}
 _NORMS = (("attn_norm.weight", "input_layernorm.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"))
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # model_type -> the class converted
 
 
 def _transformers():
@@ -51,18 +55,39 @@ def _layer_names(cfg: LoopConfig) -> list[str]:
     return [f"prelude.{i}" for i in range(p)] + [f"core.{i}" for i in range(s)] + [f"coda.{i}" for i in range(c)]
 
 
-def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int = 0, **overrides: Any) -> LoopLM:
-    """Return a LoopLM whose layers are the Llama's (prelude, core, coda in order), in the Llama's dtype/device.
+def check_family(model) -> str:
+    """Return the model_type ("llama" or "qwen2") of a supported causal LM; ValueError naming any other."""
+    cls = type(model).__name__
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if FAMILIES.get(kind) != cls:
+        raise ValueError(f"base={cls} (model_type={kind!r}) is not supported: the bases that convert are "
+                         f"{', '.join(f'{c} (model_type {k!r})' for k, c in FAMILIES.items())}")
+    sliding = [t for t in (getattr(model.config, "layer_types", None) or []) if t != "full_attention"]
+    if sliding or getattr(model.config, "use_sliding_window", False):
+        raise ValueError(f"{cls} with use_sliding_window=True (layer types {sorted(set(sliding))}) is not supported: "
+                         "LoopLM's attention is full causal attention")
+    return kind
 
+
+def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int = 0, **overrides: Any) -> LoopLM:
+    """Return a LoopLM whose layers are the base's (prelude, core, coda in order), in the base's dtype/device.
+
+    `llama` is a `LlamaForCausalLM` or `Qwen2ForCausalLM` (`FAMILIES`). Attention biases are read from
+    its weights: where q/k/v (Qwen2) or q/k/v/o (Llama's attention_bias) biases exist, the LoopLM gets
+    attn_bias=True and the biases the base lacks (Qwen2's o_proj) are zeros, which change nothing.
     Loop extras named in `overrides` (injection, adapters, ...) keep their identity initialisation, drawn
     with `seed` where random (adapter A factors).
     """
     _transformers()
+    kind = check_family(llama)
     hf = llama.config
     n = hf.num_hidden_layers
+    for name, v in (("prelude", prelude), ("core", core), ("coda", coda)):
+        check_int(name, v, 1 if name == "core" else 0)
     if prelude + core + coda != n:
         raise ValueError(f"prelude + core + coda = {prelude} + {core} + {coda} = {prelude + core + coda} "
-                         f"must equal the Llama's layer count num_hidden_layers={n}")
+                         f"must equal the base's layer count num_hidden_layers={n} ({FAMILIES[kind]}): the "
+                         "split must cover every layer once")
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported: LoopLM's SwiGLU has no biases")
     if getattr(hf, "hidden_act", "silu") != "silu":
@@ -71,15 +96,15 @@ def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int
     if head_dim is not None and head_dim != hf.hidden_size // hf.num_attention_heads:
         raise ValueError(f"head_dim={head_dim} is not supported: LoopLM needs head_dim = hidden_size / "
                          f"num_attention_heads = {hf.hidden_size // hf.num_attention_heads}")
+    src = {k: v.detach() for k, v in llama.state_dict().items()}
+    biased = any(k.startswith("model.layers.") and ".self_attn." in k and k.endswith("_proj.bias") for k in src)
     fields = dict(vocab_size=hf.vocab_size, d_model=hf.hidden_size, n_heads=hf.num_attention_heads,
                   n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
                   d_ff=hf.intermediate_size, prelude=prelude, core=core, coda=coda, loops=loops,
                   max_seq_len=hf.max_position_embeddings, rope_theta=_rope_theta(hf), norm_eps=hf.rms_norm_eps,
-                  tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-                  attn_bias=bool(getattr(hf, "attention_bias", False)))
+                  tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), attn_bias=biased)
     fields.update(overrides)
     model = LoopLM(LoopConfig(**fields), seed=seed)
-    src = {k: v.detach() for k, v in llama.state_dict().items()}
     new = {"embed.weight": src["model.embed_tokens.weight"], "norm.weight": src["model.norm.weight"]}
     if model.head is not None:
         new["head.weight"] = src["lm_head.weight"]
@@ -89,8 +114,11 @@ def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int
             new[f"{name}.{ours}"] = src[pre + theirs]
         new[f"{name}.attn.qkv.weight"] = torch.cat([src[pre + f"self_attn.{x}_proj.weight"] for x in "qkv"])
         new[f"{name}.attn.o.weight"] = src[pre + "self_attn.o_proj.weight"]
-        if pre + "self_attn.q_proj.bias" in src:
-            new[f"{name}.attn.qkv.bias"] = torch.cat([src[pre + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        if any(pre + f"self_attn.{x}_proj.bias" in src for x in "qkv"):  # a missing one is zero (no bias)
+            new[f"{name}.attn.qkv.bias"] = torch.cat([
+                src.get(pre + f"self_attn.{x}_proj.bias", src[pre + f"self_attn.{x}_proj.weight"].new_zeros(
+                    len(src[pre + f"self_attn.{x}_proj.weight"])))
+                for x in "qkv"])
         if pre + "self_attn.o_proj.bias" in src:
             new[f"{name}.attn.o.bias"] = src[pre + "self_attn.o_proj.bias"]
         new[f"{name}.mlp.gate_up.weight"] = torch.cat([src[pre + "mlp.gate_proj.weight"],
@@ -99,10 +127,9 @@ def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int
     state = model.state_dict()  # loop extras (injection, gates, ...) keep their identity initialisation
     for key, value in new.items():
         if key not in state:
-            raise ValueError(f"the Llama has weight {key!r} (shape {tuple(value.shape)}) that this LoopLM lacks "
-                             "")
+            raise ValueError(f"the base has weight {key!r} (shape {tuple(value.shape)}) that this LoopLM lacks")
         if state[key].shape != value.shape:
-            raise ValueError(f"{key}: LoopLM shape {tuple(state[key].shape)} != Llama shape "
+            raise ValueError(f"{key}: LoopLM shape {tuple(state[key].shape)} != the base's shape "
                              f"{tuple(value.shape)} (did an override change the architecture?)")
         state[key] = value.to(device="cpu", dtype=state[key].dtype)
     model.load_state_dict(state)
@@ -200,6 +227,45 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     return llama.eval()
 
 
+def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = False):
+    """Return the causal LM (eval mode) stored at a local path, read offline: a directory or a GGUF file.
+
+    A directory is one written by `save_pretrained` (config.json and weights) of a family in FAMILIES;
+    a `.gguf` file goes through `load_gguf`. Errors name the path and what it lacks.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r} is invalid: must be a str or os.PathLike naming a local model")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"path={str(path)!r} does not exist: give a local directory written by "
+                                "save_pretrained (config.json and weights) or a .gguf file")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"path={str(path)!r} holds no model: a file must be a .gguf; otherwise give the "
+                             "directory written by save_pretrained")
+        return load_gguf(p, dtype=dtype, progress=progress)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"path={str(path)!r} holds no model: no config.json (give a directory written by "
+                         "save_pretrained, or a .gguf file)")
+    transformers = _transformers()
+    import json
+
+    try:
+        kind = json.loads((p / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"path={str(path)!r} holds no model: its config.json is unreadable ({e})") from None
+    if kind not in FAMILIES:
+        raise ValueError(f"path={str(path)!r} holds model_type={kind!r}, which is not supported: the bases that "
+                         f"convert are {', '.join(f'{c} (model_type {k!r})' for k, c in FAMILIES.items())}")
+    cls = getattr(transformers, FAMILIES[kind])
+    try:
+        with _quiet_transformers(not progress):
+            model = cls.from_pretrained(str(p), local_files_only=True, dtype=dtype)
+    except OSError as e:  # config.json without weights
+        raise ValueError(f"path={str(path)!r} holds no model weights that {FAMILIES[kind]} can read: {e}") from None
+    return model.eval()
+
+
 def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_heads: int = 4,
                  n_kv_heads: int = 2, d_ff: int = 128, std: float = 0.02, seed: int = 0):
     """Return a seeded random LlamaForCausalLM (tied embeddings, rope_theta 10000) for fast retrofit runs."""
@@ -217,3 +283,26 @@ def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_he
         torch.manual_seed(seed)
         llama = transformers.LlamaForCausalLM(cfg)
     return llama.eval()
+
+
+def random_qwen2(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_heads: int = 4,
+                 n_kv_heads: int = 2, d_ff: int = 128, std: float = 0.02, seed: int = 0):
+    """Return a seeded random Qwen2ForCausalLM (tied embeddings, rope_theta 10000, q/k/v biases drawn with `std`)."""
+    transformers = _transformers()
+    for name, v in (("vocab_size", vocab_size), ("d_model", d_model), ("layers", layers), ("n_heads", n_heads),
+                    ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
+        check_int(name, v, 1)
+    check_float("std", std, 0, lo_open=True)
+    cfg = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff,
+                                   num_hidden_layers=layers, num_attention_heads=n_heads,
+                                   num_key_value_heads=n_kv_heads, max_position_embeddings=256,
+                                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                   initializer_range=std)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # HF initialises biases at zero: draw them, so a lost bias shows
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0.0, std)
+    return model.eval()

@@ -148,18 +148,20 @@ class Attention(nn.Module):
         self.qkv_adapter = Adapter(d_model, self.qkv.out_features, adapter_rank) if adapter_rank else None
         self.o_adapter = Adapter(self.o.in_features, d_model, adapter_rank) if adapter_rank else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv=None,
+                adapt: bool = True) -> torch.Tensor:
         """Return the attention output [B, T, d] for input x [B, T, d].
 
         `kv` is this occurrence's key/value cache entry (models.generate.KVEntry): it stores the new keys
         and values and attends over every cached position; rope then holds the new positions' tables.
+        `adapt=False` leaves the adapters out: exactly the plain layer's computation.
         """
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         # Three matmuls on row slices of the fused weight rather than one matmul split afterwards: the
         # split's backward concatenates the activation gradients, a copy per layer occurrence per step.
         x = autocast_input(x)
-        W, b, ad = self.qkv.weight, self.qkv.bias, self.qkv_adapter
+        W, b, ad = self.qkv.weight, self.qkv.bias, self.qkv_adapter if adapt else None
         z = None if ad is None else ad.down(x)
         q, k, v = (_linear(x, W, b, ad, z, i, j).view(B, T, -1, hd).transpose(1, 2)
                    for i, j in ((0, H * hd), (H * hd, (H + KV) * hd), ((H + KV) * hd, (H + 2 * KV) * hd)))
@@ -174,7 +176,7 @@ class Attention(nn.Module):
         else:
             y = causal_attention(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, H * hd)
-        if self.o_adapter is None:
+        if self.o_adapter is None or not adapt:
             return self.o(y)
         return _linear(y, self.o.weight, self.o.bias, self.o_adapter, self.o_adapter.down(y))
 
@@ -190,11 +192,11 @@ class SwiGLU(nn.Module):
         self.gate_up_adapter = Adapter(d_model, 2 * d_ff, adapter_rank) if adapter_rank else None
         self.down_adapter = Adapter(d_ff, d_model, adapter_rank) if adapter_rank else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return the MLP output [B, T, d]."""
+    def forward(self, x: torch.Tensor, adapt: bool = True) -> torch.Tensor:
+        """Return the MLP output [B, T, d] (`adapt=False`: without the adapters, as the plain layer)."""
         x = autocast_input(x)
         W, f = self.gate_up.weight, self.d_ff
-        if self.gate_up_adapter is None:
+        if self.gate_up_adapter is None or not adapt:
             return self.down(F.silu(F.linear(x, W[:f])) * F.linear(x, W[f:]))  # row slices: see Attention
         ad, dad = self.gate_up_adapter, self.down_adapter
         z = ad.down(x)
@@ -205,7 +207,8 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block (optionally sandwich-normed): u += Branch(Norm(u)) for attn, MLP.
 
-    With `adapter_rank` > 0 every linear (qkv, o, gate_up, down) carries a low-rank update that starts at zero.
+    With `adapter_rank` > 0 every linear (qkv, o, gate_up, down) carries a low-rank update that starts at zero;
+    `adapt=False` runs the block without them (a retrofit's loop 1, which must stay the base model).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, eps: float = 1e-6,
@@ -230,18 +233,20 @@ class Block(nn.Module):
             y = y * mod[0]
         return y
 
-    def delta(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None, kv=None) -> torch.Tensor:
+    def delta(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None, kv=None,
+              adapt: bool = True) -> torch.Tensor:
         """Return Block(x) - x: the block's total residual update (what hyper-connections route)."""
-        u = self._branch(x, self.attn_norm, lambda h: self.attn(h, rope, kv), self.attn_post, attn_mod)
-        return u + self._branch(x + u, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
+        u = self._branch(x, self.attn_norm, lambda h: self.attn(h, rope, kv, adapt), self.attn_post, attn_mod)
+        return u + self._branch(x + u, self.mlp_norm, lambda h: self.mlp(h, adapt), self.mlp_post, mlp_mod)
 
-    def forward(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None, kv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, attn_mod: Mod = None, mlp_mod: Mod = None, kv=None,
+                adapt: bool = True) -> torch.Tensor:
         """Return the block output for x [B, T, d]; mods gate/shift each branch (timestep conditioning).
 
         `kv` is this occurrence's key/value cache entry during cached generation (see Attention).
         """
-        x = x + self._branch(x, self.attn_norm, lambda h: self.attn(h, rope, kv), self.attn_post, attn_mod)
-        return x + self._branch(x, self.mlp_norm, self.mlp, self.mlp_post, mlp_mod)
+        x = x + self._branch(x, self.attn_norm, lambda h: self.attn(h, rope, kv, adapt), self.attn_post, attn_mod)
+        return x + self._branch(x, self.mlp_norm, lambda h: self.mlp(h, adapt), self.mlp_post, mlp_mod)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

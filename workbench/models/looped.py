@@ -230,7 +230,11 @@ class LoopLM(nn.Module):
             self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.inject = (None if cfg.inject == "none" else ReentryBridge(d, cfg.norm_eps)
                            if cfg.inject == "bridge" else InitialInjection(cfg.inject, d))
-            self._inject_from = 1 if cfg.inject == "bridge" else 0  # the bridge skips loop 1 (0-based loop 0)
+            # a retrofit (SPEC §5) keeps loop 1 the base model: the bridge and the block's adapters act from
+            # loop 2 on (0-based loop 1), so no training can change the one-loop path (without adapters the
+            # flag stays True: a compiled Block then needs no second graph for loop 1)
+            self._inject_from = 1 if cfg.inject == "bridge" else 0
+            self._adapt_from = 1 if cfg.inject == "bridge" and cfg.adapter_rank else 0
             self.history = HistoryInjection(cfg.history, cfg.history_op, d) if cfg.history else None
             self.timestep = TimestepConditioning(cfg.timestep, s, d) if cfg.timestep != "none" else None
             self.hyper = (nn.ModuleList(HyperConnection(cfg.hyper, d, k, cfg.hyper_dynamic, cfg.norm_eps)
@@ -376,22 +380,23 @@ class LoopLM(nn.Module):
         if self.inject is not None and t >= self._inject_from:
             x = self.inject(x, ctx.h0)
         rope, places, kv = ctx.rope, ctx.places, ctx.kv
+        adapt = t >= self._adapt_from  # False only on a retrofit's loop 1 (see __init__)
         layer_mods = ctx.mods[t] if ctx.mods is not None else None
         for j, blk in enumerate(self.core):
             am, mm = layer_mods[j] if layer_mods is not None else (None, None)
             e = None if kv is None else kv.at(f"core.{t + 1}.{j}")
             if places is None:  # the hot path: no names, no hooks
                 if self.hyper is None:
-                    x = blk(x, rope, am, mm, e)
+                    x = blk(x, rope, am, mm, e, adapt)
                 else:
-                    x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, e=e: blk.delta(u, rope, am, mm, e))
+                    x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, e=e: blk.delta(u, rope, am, mm, e, adapt))
                 continue
             name = f"core.{t + 1}.{j}"
             if self.hyper is None:
-                x = places(name, x, blk(x, rope, am, mm, e))
+                x = places(name, x, blk(x, rope, am, mm, e, adapt))
             else:
                 x = self.hyper[j](x, lambda u, blk=blk, am=am, mm=mm, name=name, e=e:
-                                  _hooked_delta(places, name, u, blk.delta(u, rope, am, mm, e)))
+                                  _hooked_delta(places, name, u, blk.delta(u, rope, am, mm, e, adapt)))
         if ctx.gates is not None:
             x = h + ctx.gates[t] * (x - h)
         return x

@@ -1,14 +1,21 @@
 """Retrofit a pretrained dense LM into a looped one (SPEC §5): prelude [0, a), tied block [a, b), coda [b, n).
 
-The conversion only. `retrofit` turns a Hugging Face `LlamaForCausalLM` (from `workbench.models.hf`:
-`load_gguf`, `random_llama`) into a `LoopLM` through `from_hf`; its config says `inject="bridge"`
-(the re-entry bridge, skipped on loop 1) and `adapter_rank` (a low-rank `Adapter` on every block
-linear), so a retrofitted model is an ordinary LoopLM: its checkpoints round-trip through
-`workbench.io.save_checkpoint` / `load_model`. At loops=1 it is the base model exactly.
+The conversion only. `retrofit` turns a Hugging Face `LlamaForCausalLM` or `Qwen2ForCausalLM` (a model
+object, or a local directory / GGUF file read by `workbench.models.hf.load_base`; `random_llama`,
+`random_qwen2` for tests) into a `LoopLM` through `from_hf`; its config says `inject="bridge"` (the
+re-entry bridge) and `adapter_rank` (a low-rank `Adapter` on every block linear), so a retrofitted model
+is an ordinary LoopLM: its checkpoints round-trip through `workbench.io.save_checkpoint` / `load_model`.
+
+Loop 1 is the base model: the bridge and the adapters act on loops >= 2 only (`LoopLM.step` skips them
+on loop 1 of a model with inject="bridge"), so under the adapter budget no training can change the
+one-loop path. Under the full budget the block itself trains and loop 1 moves with it; the Trainer's
+`TrainConfig.loop1_distill` holds it toward the frozen base, and `experiments.retrofit.loop1_check`
+measures it.
 
 Budgets (`set_budget`): "adapter" trains the bridge and the block's adapters over frozen base weights;
 "full" trains the bridge and the whole block. Prelude, coda, embeddings and final norm stay frozen in
-both. `merge_adapters` folds the adapters into the block weights (a plain LoopLM again).
+both. `merge_adapters` folds the adapters into the block weights (a plain LoopLM again; only for a
+model without the bridge, such as the scratchpad baseline, whose adapters act on loop 1 too).
 
 Training, evaluation and the end-to-end run (`train_retrofit`, `depth_sweep`, `answer_sweep`,
 `knowledge_sweep`, `retrofit_run`, `load_smollm2`) are in `workbench.experiments.retrofit`; the task
@@ -18,11 +25,12 @@ data (`iterated_examples`, `scratchpad_examples`, `knowledge_battery`) in `workb
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
 from ..config import check_choice, check_int, fail
-from .hf import from_hf
+from .hf import from_hf, load_base
 from .looped import LoopLM
 
 BUDGETS = ("adapter", "full")
@@ -33,14 +41,18 @@ def retrofit(base, prelude: int, core: int, coda: int, budget: str = "adapter", 
              adapter_rank: int = 16, bridge: bool = True, seed: int = 0) -> LoopLM:
     """Return a LoopLM of the base's layers split prelude/core/coda, with the re-entry bridge and `budget` applied.
 
-    At loops=1 its logits equal the base's (the bridge is skipped on loop 1 and the adapters start at
-    zero). `loops` is the training loop count K; `adapter_rank` is used by budget="adapter" only;
-    `bridge=False` leaves the bridge out (the scratchpad baseline at loops=1); `seed` draws the
-    adapters' A factors.
+    `base` is a `LlamaForCausalLM` / `Qwen2ForCausalLM`, or the path of a local directory written by
+    `save_pretrained` or of a GGUF file (`models.hf.load_base`, float32). At loops=1 its logits equal
+    the base's; with the bridge they stay equal through training (bridge and adapters skip loop 1).
+    `loops` is the training loop count K; `adapter_rank` is used by budget="adapter" only;
+    `bridge=False` leaves the bridge out and lets the adapters act on loop 1 (the scratchpad baseline
+    at loops=1); `seed` draws the adapters' A factors.
     """
     check_choice("budget", budget, BUDGETS)
     if budget == "adapter":
         check_int("adapter_rank", adapter_rank, 1)
+    if isinstance(base, (str, os.PathLike)):
+        base = load_base(base)
     model = from_hf(base, prelude, core, coda, loops=check_int("loops", loops, 1), seed=seed,
                     inject="bridge" if bridge else "none",
                     adapter_rank=adapter_rank if budget == "adapter" else 0)
@@ -86,9 +98,17 @@ def budget_report(model: LoopLM) -> dict[str, int]:
 
 @torch.no_grad()
 def merge_adapters(model: LoopLM) -> LoopLM:
-    """Return a copy of the model with every adapter merged into its base weight (adapter_rank=0)."""
+    """Return a copy of the model with every adapter merged into its base weight (adapter_rank=0).
+
+    Only for a model without the bridge: a bridged model's adapters act on loops >= 2 only, which merged
+    weights cannot express (they would change loop 1), so it raises ValueError.
+    """
     if model.cfg.adapter_rank == 0:
         return copy.deepcopy(model)
+    if model.cfg.inject == "bridge":
+        fail("model", "inject='bridge'", "merge_adapters needs a model without the bridge (retrofit(..., "
+             "bridge=False)): a bridged retrofit's adapters act on loops >= 2 only, and merged into the block "
+             "weights they would change loop 1, the base model")
     merged = LoopLM(model.cfg.replace(adapter_rank=0), seed=model.seed)
     full = model.state_dict()
     state = {k: v for k, v in full.items() if "_adapter." not in k}
