@@ -1,10 +1,5 @@
 """The one loop pass: named places (cache and hooks) against plain Python loops over the blocks, per-loop
-supervision through the model's forward (and so through DDP), and resuming a pass part-way."""
-
-import os
-import subprocess
-import sys
-import textwrap
+supervision through the model's forward (what DDP wraps; tests/test_ddp.py), and resuming a pass part-way."""
 
 import pytest
 import torch
@@ -12,7 +7,6 @@ import torch
 from helpers import cfg, perturb, tokens
 from test_model import VARIANTS, ref_block, ref_hyper, ref_inject, ref_psi, vid
 from workbench import LoopLM, probes
-from workbench.train import load_model
 
 
 # ---- slow reference: every named place, one block at a time ---------------------------------------
@@ -174,52 +168,3 @@ def test_per_loop_labels_through_forward_equal_separate_forwards():
         model(x, loops=2, labels=labels)
     with pytest.raises(ValueError, match="not both"):
         model(x, targets=x, labels=labels)
-
-
-DDP_PER_LOOP = textwrap.dedent("""
-    import os, sys
-    import torch, torch.distributed as dist
-    from workbench import LoopConfig
-    from workbench.data.tasks import make_task
-    from workbench.train import ExampleBatches, Trainer, TrainConfig
-
-    class Bytes:
-        def encode(self, s):
-            return list(s.encode())
-
-    cfg = LoopConfig.from_json(sys.argv[1])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo")
-    exs = make_task("iterated", 64, depth=3, seed=0, rule="add")
-    # fp32: compared against one process, which bf16 rounding would blur
-    tc = TrainConfig(steps=3, batch_size=4 // world, seq_len=48, progress=False, lr=3e-3, warmup=1, muon=False,
-                     bf16="off")
-    Trainer(cfg, tc, ExampleBatches(exs, Bytes(), 4, 3, seed=0), out_dir=sys.argv[2]).run()
-    if world > 1:
-        dist.destroy_process_group()
-""")
-
-
-def test_per_loop_training_under_ddp_matches_one_process(tmp_path):
-    # every example carries a label at every loop, so the mean of the two ranks' losses is the whole
-    # batch's loss and the all-reduced gradient is the whole batch's. Clipping stays on; Muon is off
-    # because torch's Newton-Schulz runs in bf16 and turns 1e-7 gradient rounding into 1e-4 weights.
-    c = cfg(vocab_size=128, loops=3, max_seq_len=64, inject="channel")
-    worker = tmp_path / "worker.py"
-    worker.write_text(DDP_PER_LOOP)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, str(worker), c.to_json(), str(tmp_path / "one")], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(worker), c.to_json(), str(tmp_path / "two")], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = load_model(tmp_path / "one"), load_model(tmp_path / "two")
-    init = LoopLM(c, seed=0).state_dict()
-    moved = 0
-    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(va, vb, atol=1e-6, rtol=0, msg=k)
-        moved += not torch.equal(va, init[k])
-    assert moved > 10  # training really changed the weights

@@ -88,9 +88,13 @@ def train(args: argparse.Namespace) -> int:
     run, ds = train_run(out, model_fields, train_fields, corpus=args.corpus, vocab_size=args.vocab_size,
                         seed=train_fields.get("seed", 0), progress=not args.no_progress, resume=args.resume,
                         overwrite=args.overwrite)
-    print(f"trained {run.model.cfg.notation} for {ds.sizes['step']} steps; final loss "
-          f"{float(ds.train_loss[-1]):.3f}; run folder {out} (config.json, tokenizer.json, checkpoints, "
-          "metrics.nc, results.nc)")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):  # torchrun: rank 0 says it
+        world = f" on {dist.get_world_size()} processes" if dist.is_available() and dist.is_initialized() else ""
+        print(f"trained {run.model.cfg.notation} for {ds.sizes['step']} steps{world}; final loss "
+              f"{float(ds.train_loss[-1]):.3f}; run folder {out} (config.json, tokenizer.json, checkpoints, "
+              "metrics.nc, results.nc)")
     return 0
 
 
@@ -117,6 +121,11 @@ def _train_cmd(args: argparse.Namespace) -> int:
         msg = " ".join(str(e).split())
         print(f"workbench train: {msg} (run with --debug for the traceback)", file=sys.stderr)
         return 2
+    finally:  # under torchrun: leave the process group cleanly (NCCL warns at exit otherwise)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _pipeline_cmd(args: argparse.Namespace) -> int:

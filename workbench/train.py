@@ -30,6 +30,14 @@ checkpoints are fp32 and resume bit-exactly. `compile="auto"` compiles each Bloc
 when the run is long enough to repay the first compile (`compile_pays`); steps that compiled are
 timed apart. What "auto" chose is recorded in the metrics' attrs, and `out_dir/progress.json` says
 live where the run is (`workbench run` shows it).
+
+Data-parallel under torchrun (`torchrun --nproc_per_node N -m workbench.cli train ...`, or a script
+that builds a Trainer): the Trainer joins the process group from the environment (`init_distributed`:
+NCCL on cuda:LOCAL_RANK, else gloo on the CPU), every rank draws the same global batch and trains on
+its slice (batch_size is per rank), DDP averages the gradients, so clipping, Muon and AdamW see the
+same gradient and step identically on every rank. Parameters a step leaves without gradient (truncation
+without injection, a sampled r below the history window, frozen retrofit weights) are allowed. Rank 0
+alone writes checkpoints, metrics and progress; on resume every rank loads the checkpoint rank 0 found.
 """
 
 from __future__ import annotations
@@ -413,6 +421,78 @@ def compile_count() -> int:
 from .io import _load_optim_state, _optim_state, latest_checkpoint, load_model, save_checkpoint  # noqa: E402,F401
 
 
+# ---- data-parallel processes (torchrun) ------------------------------------------------------------------
+def init_distributed() -> tuple[int, int, torch.device | None]:
+    """Return (rank, world size, device) after joining the process group torchrun describes in the environment.
+
+    Under `torchrun --nproc_per_node N` (WORLD_SIZE > 1 in the environment) this initialises the
+    default process group once: NCCL with one CUDA device per process (cuda:LOCAL_RANK) when CUDA is
+    present, else gloo on the CPU. Alone (no WORLD_SIZE, or 1) it does nothing and returns (0, 1, None).
+    A group that is already initialised is used as it is (its device: cuda:LOCAL_RANK for NCCL).
+    """
+    import torch.distributed as dist
+
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(env_world)
+    except ValueError:
+        fail("WORLD_SIZE", env_world, "must be an integer >= 1 (set by torchrun)")
+    if world < 1:
+        fail("WORLD_SIZE", env_world, "must be an integer >= 1 (set by torchrun)")
+    initialised = dist.is_available() and dist.is_initialized()
+    if world == 1 and not initialised:
+        return 0, 1, None
+    if not dist.is_available():
+        raise RuntimeError(f"WORLD_SIZE={world} asks for {world} processes, but this torch build has no "
+                           "torch.distributed")
+    local = os.environ.get("LOCAL_RANK", "0")
+    try:
+        local_rank = int(local)
+    except ValueError:
+        fail("LOCAL_RANK", local, "must be an integer >= 0 (set by torchrun)")
+    cuda = torch.cuda.is_available()
+    if cuda and not 0 <= local_rank < torch.cuda.device_count():
+        fail("LOCAL_RANK", local_rank, f"must name one of this machine's {torch.cuda.device_count()} CUDA "
+             "devices: start at most that many processes per node (--nproc_per_node)")
+    if not initialised:
+        if cuda:
+            torch.cuda.set_device(local_rank)  # before the group: NCCL binds each process to its own device
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda and dist.get_backend() == "nccl" else None
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _all_gather_json(obj: Any) -> list[Any]:
+    """Return every rank's JSON-encodable `obj` (rank order), exchanged as bytes in tensors (no pickle)."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.tensor(list(json.dumps(obj, sort_keys=True, default=str).encode()), dtype=torch.uint8, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev))
+    longest = int(max(s.item() for s in sizes))
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=dev) for _ in sizes]
+    dist.all_gather(bufs, torch.cat([data, data.new_zeros(longest - data.numel())]))
+    return [json.loads(bytes(b[:int(n.item())].tolist()).decode()) for b, n in zip(bufs, sizes)]
+
+
+def _check_same_on_every_rank(what: dict[str, Any]) -> None:
+    """Return None when every rank holds the same values (all_gather); else raise naming the rank and the fields.
+
+    The ranks must draw the same loop counts and batches each step (shared seed and sampler), or
+    their gradients would average steps of different models.
+    """
+    import torch.distributed as dist
+
+    mine = json.loads(json.dumps(what, sort_keys=True, default=str))  # compared as the other ranks' arrive
+    for rank, theirs in enumerate(_all_gather_json(what)):
+        diff = {k: (mine[k], theirs.get(k)) for k in mine if theirs.get(k) != mine[k]}
+        if diff:
+            raise ValueError(f"rank {dist.get_rank()} and rank {rank} differ in {diff} (this rank, that rank): "
+                             "every rank of a data-parallel run needs the same TrainConfig trajectory fields "
+                             "(seed, loop sampler, ...) and the same training data at the same position")
+
+
 # ---- the trainer -----------------------------------------------------------------------------------------
 class Trainer:
     """Trains a LoopLM on token batches; `run()` returns the per-step metrics as an xarray Dataset."""
@@ -430,13 +510,16 @@ class Trainer:
 
         self.cfg, self.tc = cfg, tc
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.rank = torch.distributed.get_rank() if self.dist else 0
-        self.world = torch.distributed.get_world_size() if self.dist else 1
-        self.device = torch.device(tc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.dist and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
         check_fit(cfg, tc)
+        # under torchrun the process group comes from the environment (a no-op alone, or when already made)
+        self.rank, self.world, rank_device = init_distributed()
+        self.dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.device = torch.device(tc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.dist and self.device.type == "cuda" and self.device.index is None:
+            # one device per process: LOCAL_RANK's (torchrun), else the one the caller selected
+            self.device = rank_device or torch.device("cuda", torch.cuda.current_device())
+        if self.dist and torch.distributed.get_backend() == "nccl" and self.device.type != "cuda":
+            fail("TrainConfig.device", tc.device, "must be a CUDA device (or None) in an NCCL process group")
         self.model = (model if model is not None else LoopLM(cfg, seed=tc.seed)).to(self.device)
         if self.model.cfg != cfg:
             raise ValueError("model.cfg does not match cfg")
@@ -478,8 +561,19 @@ class Trainer:
             self._resume()
         self.train_model = self.model  # compile acts on the blocks (compiled_blocks), never wraps the model
         if self.dist:
+            state = getattr(self.sampler, "state_dict", None)
+            _check_same_on_every_rank({**{k: getattr(tc, k) for k in RESUME_FIELDS}, "model_config": cfg.to_json(),
+                                       "step": self.step, "sampler": state() if state else None,
+                                       "data": self.data_fingerprints})
+            # find_unused_parameters: a step may leave parameters without gradient (truncation without
+            # injection leaves the prelude out, a sampled r below the history window the far lags, r = 1
+            # a retrofit's bridge). DDP then marks them ready and leaves their .grad None on every rank,
+            # as one process would, instead of waiting for them and failing on the next step. Every rank
+            # draws the same r (sample_loops is seeded by (seed, step), checked equal above), so
+            # the same parameters go unused everywhere.
             self.train_model = torch.nn.parallel.DistributedDataParallel(
-                self.train_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                self.train_model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=True)
 
     # budget -------------------------------------------------------------------------------------------
     def _budget_steps(self) -> int:
@@ -564,7 +658,10 @@ class Trainer:
     def _resume(self) -> None:
         if self.out_dir is None:
             raise ValueError("resume=True needs an out_dir to resume from")
-        path = latest_checkpoint(self.out_dir)
+        path = latest_checkpoint(self.out_dir) if self.rank == 0 else None
+        if self.dist:  # every rank loads the checkpoint rank 0 found (the run folder is shared)
+            path = _all_gather_json(None if path is None else str(path))[0]
+            path = None if path is None else Path(path)
         if path is None:
             return  # nothing yet: a fresh start
         state = read_json(path / "state.json", "checkpoint state")
@@ -651,7 +748,10 @@ class Trainer:
             raise self._diverged(self.step + 1, f"the loss is {loss.item()}", (r, k))
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
+        # else no trainable parameter reaches this step's loss (an adapter retrofit at r = 1 is its frozen
+        # base): every .grad stays None, the norm is 0 and the optimisers skip every parameter, on every rank
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                             self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"))
         if not torch.isfinite(gn):  # stop before the update: the weights in memory stay finite
@@ -696,10 +796,11 @@ class Trainer:
         return np.where(c & np.isfinite(s), np.maximum(s - base, 0.0), 0.0)
 
     def speed_attrs(self) -> dict[str, str | float]:
-        """Return what the run's speed settings resolved to: precision, compile (on/off and why), compile seconds."""
+        """Return what the run's speed settings resolved to: precision, compile (on/off and why), compile seconds,
+        device, torch threads per process and data-parallel processes (world)."""
         return {"precision": precision_name(self.bf16), "compile": "on" if self.compiled else "off",
                 "compile_reason": self.compile_reason, "compile_s": float(self.compile_seconds().sum()),
-                "device": str(self.device)}
+                "device": str(self.device), "threads": torch.get_num_threads(), "world": self.world}
 
     def metrics_dataset(self) -> xr.Dataset:
         """Return the per-step metrics (dim `step`, 1-based) and evaluations (dims `eval_step`, `loop`)."""

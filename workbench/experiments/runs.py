@@ -198,10 +198,35 @@ def _resume_conflicts(out: Path, cfg: LoopConfig, tc, experiment: dict) -> None:
                          "or start a new run (another folder, or overwrite=True / --overwrite)")
 
 
+def _train_run_processes(nproc: int, kwargs: dict) -> tuple[Run, xr.Dataset]:
+    """Return train_run's (Run, results) after running it under `torchrun --nproc_per_node nproc` on this machine.
+
+    The processes split this process's torch threads; their output is kept and its end shown when they fail.
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    threads = max(1, torch.get_num_threads() // nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = Path(tmp) / "train_run.json"
+        args.write_text(json.dumps(kwargs))
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}", "-m", "workbench.experiments.torchrun_train", str(args)],
+                              env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"train_run on nproc={nproc} processes (torchrun) failed with exit status "
+                           f"{proc.returncode}; the end of its output:\n{tail}")
+    out = Path(kwargs["out_dir"])
+    return load_run(out), xr.load_dataset(out / "results.nc", engine="h5netcdf")
+
+
 def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
               tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
               eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
-              resume: bool = True, overwrite: bool = False) -> tuple[Run, xr.Dataset]:
+              resume: bool = True, overwrite: bool = False, nproc: int = 1) -> tuple[Run, xr.Dataset]:
     """Return (Run, results Dataset) after training LoopConfig(**model) with TrainConfig(**train) on a corpus.
 
     `out_dir` becomes a run folder (layout in `workbench.io`). Every argument is checked first
@@ -213,13 +238,31 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     validation loss and accuracy per loop (below, at and beyond K), the training curve, the parameter
     split N_once / N_rec, tokens seen, and per-loop task accuracy when tasks are mixed in. The same
     data is written to `out_dir/results.nc`.
+
+    Under torchrun (`torchrun --nproc_per_node N ...`) every process calls it alike: they join the
+    process group (`train.init_distributed`) and train data-parallel; rank 0 alone writes the folder
+    (tokenizer, config, checkpoints, metrics, results) and the other ranks read the tokenizer it wrote.
+    `nproc` > 1 (outside torchrun) starts that itself: `nproc` processes on this machine, each with its
+    share of this process's torch threads (what a pipeline's training run with an `nproc` parameter does).
     """
     from ..data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
     from ..evals import loop_sweep
-    from ..train import Trainer
+    from ..train import Trainer, init_distributed
 
     cfg, tc = check_train_run(model, train, corpus, vocab_size, tasks, task_ratio, task_depths, eval_loops, seed,
                               progress, resume, overwrite)
+    check_int("nproc", nproc, 1)
+    if nproc > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return _train_run_processes(nproc, dict(out_dir=str(out_dir), model=model, train=train, corpus=corpus,
+                                                vocab_size=vocab_size, tasks=list(tasks), task_ratio=task_ratio,
+                                                task_depths=task_depths, eval_loops=eval_loops, seed=seed,
+                                                progress=progress, resume=resume, overwrite=overwrite))
+    rank, world, _ = init_distributed()  # (0, 1, None) alone
+
+    def barrier() -> None:
+        if world > 1:
+            torch.distributed.barrier()
+
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         fail("out_dir", str(out_dir), "must be a folder (it is a file)")
@@ -232,24 +275,29 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
             raise FileExistsError(f"out_dir={str(out_dir)!r} already holds a run (config.json, tokenizer.json or "
                                   "checkpoints): resume it (resume=True, `workbench train --resume`) or replace it "
                                   "(overwrite=True, `--overwrite`); nothing was changed")
-        elif overwrite:
+        elif overwrite and rank == 0:
             clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
-    out.mkdir(parents=True, exist_ok=True)
+    barrier()  # rank 0 changes the folder only after every rank has checked it as it was
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
     text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed)
     tok_path = out / TOKENIZER
-    if resume and tok_path.exists():
+    tok = None
+    if rank == 0 and not (resume and tok_path.exists()):
+        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=seed)
+        tok.save(tok_path)
+    barrier()  # the tokenizer rank 0 kept or made is on disk: the other ranks read that one
+    if tok is None:
         try:
             tok = Tokenizer.load(tok_path)
         except Exception as e:  # the tokenizers library raises its own exception types
             raise ValueError(f"cannot read the tokenizer at {tok_path} (truncated or corrupt?): {e}") from None
-    else:
-        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=seed)
-        tok.save(tok_path)
-    data = tokenize_corpus(text, tok, progress=progress)
+    data = tokenize_corpus(text, tok, progress=progress and rank == 0)
     experiment = {**experiment, "vocab_size": tok.vocab_size, "vocab_request": vocab_size}
 
     cfg = cfg.replace(vocab_size=tok.vocab_size) if "vocab_size" not in model else cfg
-    write_run_config(out, cfg, tc, experiment)
+    if rank == 0:
+        write_run_config(out, cfg, tc, experiment)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, tc, data.train, data.val, out_dir=out, resume=resume)
     metrics = trainer.run()
@@ -274,7 +322,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     if "eval_loss" in metrics:
         # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
         ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
-    tokens_seen = steps * tc.batch_size * tc.seq_len
+    tokens_seen = steps * tc.batch_size * tc.seq_len * trainer.world  # batch_size is per process
     at_k = float(sweep["loss"].sel(loop=K))
     scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
                "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
@@ -292,7 +340,8 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
                           training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
                           **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
                           **trainer.speed_attrs())  # precision, compile and why: what "auto" chose here
-    save_netcdf(ds, out / "results.nc")
+    if rank == 0:
+        save_netcdf(ds, out / "results.nc")
     return run, ds
 
 
@@ -303,12 +352,14 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                         model_overrides: dict | None = None, steps: int = 300, flops: float = 0.0,
                         batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
                         loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
-                        bf16: str = "auto", compile: str = "auto", out_dir: str = ".") -> dict:
+                        bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".") -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
     One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
     below 0 is an error), backward_loops 0 is full BPTT, max_seq_len is max(seq_len, 512), warmup a
-    tenth of the steps up to 20. Raises ValueError naming a parameter whose type or range is wrong.
+    tenth of the steps up to 20. `batch_size` is the global batch: with nproc > 1 processes each trains
+    batch_size / nproc rows, so nproc changes how a run trains, not what. Raises ValueError naming a
+    parameter whose type or range is wrong.
     """
     overrides = {} if model_overrides is None else model_overrides
     if not isinstance(overrides, dict):
@@ -317,15 +368,20 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
     check_int("steps", steps, 1)
     check_int("backward_loops", backward_loops, 0, allowed="must be an integer >= 0 (0: full BPTT)")
     check_float("flops", flops, 0, allowed="must be a finite number >= 0 (0: the budget is steps)")
+    check_int("nproc", nproc, 1)
+    check_int("batch_size", batch_size, 1)
+    if batch_size % nproc:
+        fail("batch_size", batch_size, f"must be a multiple of nproc={nproc} (each process trains batch_size / "
+             "nproc rows)")
     model = dict(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, prelude=prelude, core=core, coda=coda,
                  loops=loops, inject=inject, timestep=timestep, hyper=hyper, taper=taper,
                  max_seq_len=max(seq_len, 512), **overrides)
     budget = {"flops": flops} if flops > 0 else {"steps": steps}
-    train = dict(batch_size=batch_size, seq_len=seq_len, lr=lr, loop_sampler=loop_sampler,
+    train = dict(batch_size=batch_size // nproc, seq_len=seq_len, lr=lr, loop_sampler=loop_sampler,
                  backward_loops=backward_loops or None, warmup=min(20, steps // 10), bf16=bf16, compile=compile,
                  **budget)
     return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
-                eval_loops=eval_loops, seed=seed)
+                eval_loops=eval_loops, seed=seed, nproc=nproc)
 
 
 def check_train_notebook(params: dict) -> None:
@@ -333,7 +389,9 @@ def check_train_notebook(params: dict) -> None:
 
     The pipeline calls it (the notebook's metadata names it) for every run before anything runs.
     """
-    check_train_run(**train_notebook_args(**params))
+    args = train_notebook_args(**params)
+    args.pop("nproc")  # train_run checks it; check_train_run describes one process's run
+    check_train_run(**args)
 
 
 def demo_trainer(steps: int = 200, seed: int = 0, progress: bool = True):
