@@ -3,6 +3,7 @@ and what it leaves behind is checked: results.nc with the declared dims and fini
 the executed notebook and the pipeline report."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -145,6 +146,10 @@ def test_smoke_pipeline(name, tmp_path):
     assert result.report.exists()
     if name == "quickstart":
         check_quickstart(runs)
+        # each kernel ran with its Dask worker's share of the cores (1 on 2 cores), as its trainer recorded
+        train, = pipeline.find_runs("quickstart", "train", runs)
+        threads = xr.load_dataset(train / "results.nc", engine="h5netcdf").attrs["threads"]
+        assert int(threads) == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def check_quickstart(runs: Path) -> None:

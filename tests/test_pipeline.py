@@ -260,6 +260,34 @@ def test_dask_executor_on_a_local_cluster(project):
     assert value(pipeline.find_runs("demo", "total", project / "runs")[0]) == sum(x + 10.0 for x in (1, 2, 3))
 
 
+THREADS_BODY = textwrap.dedent("""\
+    import json, os, signal, time
+    from pathlib import Path
+    import torch
+    if fail:  # here: kill the Dask worker that launched this kernel, in the middle of the run
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)
+    Path(out_dir, "out.json").write_text(json.dumps({"value": x, "threads": torch.get_num_threads()}))""")
+
+
+def test_dask_without_scheduler_splits_the_cores_and_a_dying_worker_fails_only_its_run(project):
+    """No scheduler: a LocalCluster of --jobs 2 workers; each kernel's torch sees its worker's share of the cores
+    (1 on 2 cores), and the run whose worker is SIGKILLed mid-run is recorded failed while the others finish."""
+    pytest.importorskip("distributed")
+    write_notebook(project / "notebooks" / "threads.ipynb", THREADS_BODY)
+    s = spec(project, "name: threads\nsteps:\n  - name: a\n    notebook: threads\n"
+                      "    cases: [{x: 1, fail: true}, {x: 2}, {x: 3}]\n")
+    result = pipeline.run(s, runs_dir=project / "runs", executor="dask", jobs=2, log=None, report_html=False)
+    assert not result.ok
+    rows = {json.loads((Path(r["dir"]) / "run.json").read_text())["params"]["x"]: r
+            for r in pipeline.status(s, runs_dir=project / "runs")}
+    assert rows[1]["state"] == "failed" and "Dask worker executing this run died" in rows[1]["error"]
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for x in (2, 3):
+        assert rows[x]["state"] == "done", rows[x]
+        assert json.loads((Path(rows[x]["dir"]) / "out.json").read_text()) == {"value": x, "threads": share}
+
+
 # ---- the library's code in the key ----------------------------------------------------------------------
 CHAIN = """\
 name: chain

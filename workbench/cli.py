@@ -197,9 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         if name != "clean":
             c.add_argument("--profile", help="a profile of the spec, e.g. smoke")
         if name == "run":
-            c.add_argument("--jobs", type=int, default=1, help="runs executed at once (local executor)")
+            c.add_argument("--jobs", type=int, default=1,
+                           help="runs executed at once (local executor; with --executor dask and no "
+                                "--scheduler: the local cluster's workers, default one per core)")
             c.add_argument("--executor", default="local", choices=("local", "dask"), help="where runs execute")
-            c.add_argument("--scheduler", help="Dask scheduler address for --executor dask")
+            c.add_argument("--scheduler",
+                           help="Dask scheduler address for --executor dask (default: start a LocalCluster "
+                                "sized to this machine); each run gets its worker's share of the cores as "
+                                "torch threads")
             c.add_argument("--quiet", action="store_true",
                            help="no live progress (which run executes, its step, tokens/s, time left); "
                                 "the line per finished run and the summary stay")

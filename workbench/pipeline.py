@@ -33,10 +33,12 @@ by older library code as "stale". A run executes in
 per-run file lock, and is renamed to ``runs/<pipeline>/<step>/<key>/`` with a ``run.json`` record
 when it ends, done or failed; a failed or interrupted run restarts in its old folder (a training
 notebook resumes from its checkpoint). Runs of one step go in parallel through an executor (local
-processes, or a Dask `distributed` scheduler); a failed run is recorded with its error and output
-notebook and the others go on. ``report`` writes ``runs/<pipeline>/report.html``: every run's
-status, parameters, headline numbers (from its results.nc) and figures drawn inline, with links to
-its data and to its notebook rendered as HTML (nbconvert; code collapsed under the results).
+processes, or Dask: a scheduler's cluster or a LocalCluster of this machine, each run's torch
+threads its worker's share of the cores); a failed run is recorded with its error and output
+notebook and the others go on (on Dask too when a worker dies mid-run). ``report`` writes
+``runs/<pipeline>/report.html``: every run's status, parameters, headline numbers (from its
+results.nc) and figures drawn inline, with links to its data and to its notebook rendered as HTML
+(nbconvert; code collapsed under the results).
 plotly.js is written once beside the report and every link is relative, so the pipeline folder
 opens offline wherever it is copied.
 """
@@ -491,9 +493,6 @@ def execute_run(job: RunJob) -> dict:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    from . import __version__
-    from .io import git_commit
-
     final = Path(job.dir)
     with _locked(final.parent / f".{final.name}.lock"):
         rec = read_record(final)
@@ -521,15 +520,50 @@ def execute_run(job: RunJob) -> dict:
             error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
         except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
             error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-        record = {"pipeline": job.pipeline, "step": job.step, "key": job.key,
-                  "status": "failed" if error else "done", "error": error,
-                  "notebook": str(job.notebook), "params": job.params, "upstream": job.upstream,
-                  "started": started, "finished": _now(), "seconds": round(time.perf_counter() - t0, 3),
-                  "workbench_version": __version__, "library": job.library or library_digest(),
-                  "git_commit": git_commit()}
-        atomic_write_bytes(work / "run.json", json.dumps(record, indent=1, default=str).encode())
-        os.replace(work, final)
+        return _close_run(work, final, _record(job, error, started, time.perf_counter() - t0))
+
+
+def _record(job: RunJob, error: str | None, started: str, seconds: float) -> dict:
+    """Return the run.json record of a run that ended (done when error is None, else failed)."""
+    from . import __version__
+    from .io import git_commit
+
+    return {"pipeline": job.pipeline, "step": job.step, "key": job.key,
+            "status": "failed" if error else "done", "error": error,
+            "notebook": str(job.notebook), "params": job.params, "upstream": job.upstream,
+            "started": started, "finished": _now(), "seconds": round(seconds, 3),
+            "workbench_version": __version__, "library": job.library or library_digest(),
+            "git_commit": git_commit()}
+
+
+def _close_run(work: Path, final: Path, record: dict) -> dict:
+    """Return the record after writing it into the run's working folder and renaming that into place."""
+    atomic_write_bytes(work / "run.json", json.dumps(record, indent=1, default=str).encode())
+    os.replace(work, final)
     return record
+
+
+def record_failed(job: RunJob, error: str) -> dict:
+    """Return the failed record written for a run that ended without recording itself (whatever ran it died).
+
+    Takes the run's lock (a dead process holds none), keeps what the run left (checkpoints, a partial
+    notebook) and renames its working folder into place with run.json saying why, so `status` shows it
+    failed and the next `workbench run` restarts it there. A run that completed meanwhile is left alone.
+    """
+    final = Path(job.dir)
+    with _locked(final.parent / f".{final.name}.lock"):
+        rec = read_record(final)
+        if rec is not None and rec.get("status") == "done":
+            return {**rec, "skipped": True}
+        work = final.parent / f".{final.name}.partial"
+        if final.exists():
+            if work.exists():  # an older failed attempt beside the newer partial one: the newer one stays
+                shutil.rmtree(final)
+            else:
+                os.replace(final, work)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "run.json").unlink(missing_ok=True)
+        return _close_run(work, final, _record(job, error, _now(), 0.0))
 
 
 # ---- executors -------------------------------------------------------------------------------------------
@@ -549,7 +583,7 @@ class LocalExecutor:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        threads = max(1, (os.cpu_count() or 1) // min(self.jobs, len(items)))
+        threads = max(1, machine_cores() // min(self.jobs, len(items)))
         for it in items:
             it.threads = threads
         with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=mp.get_context("spawn")) as pool:
@@ -561,38 +595,116 @@ class LocalExecutor:
         """Return None; nothing to release."""
 
 
-class DaskExecutor:
-    """Runs jobs on a Dask `distributed` scheduler (workers must share the runs folder's file system)."""
+def machine_cores() -> int:
+    """Return the CPU cores this process may use (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity masks here (macOS)
+        return max(1, os.cpu_count() or 1)
 
-    def __init__(self, scheduler: str):
+
+def _dask_execute(job: RunJob, shares: dict[str, int], attempt: str, threads: int = 0) -> dict:
+    """Return execute_run(job) on a Dask worker, its kernel given this worker's share of the host's cores.
+
+    `shares` maps worker addresses to torch threads per run (a worker that joined later takes its
+    host's cores over its own task slots); `threads` > 0 overrides it. A run that this same attempt
+    already started on a worker that then died (the scheduler hands its task to another worker) is
+    recorded failed, not rerun: what killed the worker (memory, a crash) would likely kill the next too.
+    """
+    from distributed import get_worker
+
+    worker = get_worker()
+    share = shares.get(worker.address) or max(1, machine_cores() // max(1, worker.state.nthreads))
+    job.threads = threads or share
+    final = Path(job.dir)
+    marker = final.parent / f".{final.name}.attempt"
+    if marker.is_file() and marker.read_text() == attempt:
+        return record_failed(job, "WorkerDied: the Dask worker executing this run died before it ended "
+                                  "(killed, out of memory or lost); `workbench run` again restarts it")
+    atomic_write_bytes(marker, attempt.encode())
+    try:
+        return execute_run(job)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+class DaskExecutor:
+    """Runs jobs on a Dask `distributed` cluster (workers must share the runs folder's file system).
+
+    With a scheduler address it connects to that cluster; without one it starts a LocalCluster sized to
+    this machine: `jobs` workers when jobs > 1, else one per core, each running one run at a time.
+    Every run's kernel gets torch threads from its worker's share of the host's cores (the host's
+    cores over the task slots of all workers on that host; `threads` > 0 fixes it). Without it a
+    kernel would take what its worker's environment says: 1 under a Dask nanny, which sets
+    OMP_NUM_THREADS=1 in its workers (a 32-core host with 2 workers would run 2 threads), all the cores
+    without one (2 workers on 2 cores would run 4 threads). A worker that dies mid-run leaves that run failed
+    (`record_failed`) and the others go on.
+    """
+
+    def __init__(self, scheduler: str | None = None, jobs: int = 1, threads: int = 0):
         try:
-            from distributed import Client
+            from distributed import Client, LocalCluster
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise PipelineError("executor='dask' needs dask.distributed: pip install 'looped-workbench[cluster]'") from e
-        if not scheduler:
-            raise PipelineError("executor='dask' needs --scheduler ADDRESS (e.g. tcp://127.0.0.1:8786)")
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise PipelineError(f"jobs={jobs!r} is invalid: must be an integer >= 1")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise PipelineError(f"threads={threads!r} is invalid: must be an integer >= 1, or 0 (each worker's share "
+                                "of its host's cores)")
+        if scheduler is not None and (not isinstance(scheduler, str) or not scheduler.strip()):
+            raise PipelineError(f"scheduler={scheduler!r} is invalid: must be a Dask scheduler address such as "
+                                "tcp://127.0.0.1:8786, or None to start a local cluster")
+        self.cluster = None
+        if scheduler is None:
+            n = jobs if jobs > 1 else machine_cores()
+            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
+            scheduler = self.cluster.scheduler_address
         self.client = Client(scheduler, timeout="30s")
+        self.threads = threads
+        self.shares = self._shares()
+
+    def _shares(self) -> dict[str, int]:
+        """Return {worker address: torch threads per run}: its host's cores over the task slots on that host."""
+        if self.cluster is not None:
+            self.client.wait_for_workers(len(self.cluster.workers), timeout="60s")
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        cores = self.client.run(machine_cores)  # each worker's own view of its host
+        slots: dict[str, int] = {}
+        for w in workers.values():
+            slots[w["host"]] = slots.get(w["host"], 0) + int(w["nthreads"])
+        return {addr: max(1, cores.get(addr, 1) // max(1, slots[w["host"]])) for addr, w in workers.items()}
 
     def map(self, fn: Callable[[RunJob], dict], items: list[RunJob]) -> Iterator[dict]:
-        """Return an iterator over fn(item) results in completion order."""
+        """Return an iterator over the runs' records in completion order (a run whose worker died: failed)."""
+        import uuid
+
         from distributed import as_completed
 
-        futures = [self.client.submit(fn, it, pure=False, key=f"{it.step}-{it.key}-{time.time_ns()}")
-                   for it in items]
+        attempt = uuid.uuid4().hex  # tells a task the scheduler retried after its worker died from a new one
+        futures = {}
+        for it in items:
+            task = (_dask_execute, it, self.shares, attempt, self.threads) if fn is execute_run else (fn, it)
+            futures[self.client.submit(*task, pure=False, key=f"{it.step}-{it.key}-{time.time_ns()}")] = it
         for f in as_completed(futures):
-            yield f.result()
+            try:
+                yield f.result()
+            except Exception as e:  # the scheduler gave up on it (a worker died too often, lost data)
+                yield record_failed(futures[f], f"{type(e).__name__}: {e} (on the Dask cluster)")
 
     def close(self) -> None:
-        """Return None after closing the client connection."""
+        """Return None after closing the client connection (and the local cluster this executor started)."""
         self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
-def make_executor(kind: str = "local", jobs: int = 1, scheduler: str | None = None):
-    """Return an executor: "local" (processes, `jobs` at once) or "dask" (a distributed scheduler address)."""
+def make_executor(kind: str = "local", jobs: int = 1, scheduler: str | None = None, threads: int = 0):
+    """Return an executor: "local" (processes, `jobs` at once) or "dask" (a scheduler address, or a LocalCluster
+    sized to this machine when None); `threads` is the torch threads per run on Dask (0: each worker's share)."""
     if kind == "local":
         return LocalExecutor(jobs)
     if kind == "dask":
-        return DaskExecutor(scheduler or "")
+        return DaskExecutor(scheduler or None, jobs, threads)
     raise PipelineError(f"executor={kind!r} is invalid: must be 'local' or 'dask'")
 
 
@@ -789,16 +901,18 @@ def _levels(pipe: Pipeline) -> list[list[str]]:
 
 def run(spec: str | os.PathLike, profile: str | None = None, jobs: int = 1, executor: str = "local",
         scheduler: str | None = None, runs_dir: str | os.PathLike = "runs", report_html: bool = True,
-        log: Callable[[str], None] | None = print, progress: bool = False) -> Result:
+        log: Callable[[str], None] | None = print, progress: bool = False, threads: int = 0) -> Result:
     """Return the Result of running every run of a pipeline not yet complete (validated before anything runs).
 
     With `progress`, what executes is shown live on stdout (LiveProgress: a status line on a terminal,
-    plain lines elsewhere), and `log` lines print below it.
+    plain lines elsewhere), and `log` lines print below it. `executor="dask"` runs on the cluster at
+    `scheduler`, or on a LocalCluster of this machine when None; `threads` (Dask) fixes the torch
+    threads of every run (0: each worker's share of its host's cores).
     """
     pipe = load_spec(spec, profile)
     jobs_list = expand(pipe, runs_dir)
     validate(pipe, jobs_list)
-    ex = make_executor(executor, jobs, scheduler)
+    ex = make_executor(executor, jobs, scheduler, threads)
     live = LiveProgress() if progress else None
     say = log or (lambda s: None)
     if live is not None and log is not None:
