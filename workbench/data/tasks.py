@@ -534,6 +534,22 @@ def make_task(name: str, n: int, depth: int, seed: int = 0, **options: Any) -> l
     return task.build(rng, n, depth, seed, **{**task.defaults, **options})
 
 
+def task_group(name: str) -> str:
+    """Return the group ("reasoning" or "knowledge") of task `name`."""
+    return _task(name).group
+
+
+def chance_rate(name: str, depth: int, n: int = 1000, seed: int = 0, **options: Any) -> float:
+    """Return the majority-class chance of task `name` at `depth`: the share of n examples whose answer is the most
+    common one (what the best constant answer scores; 0.5 for balanced true/false deduction)."""
+    from collections import Counter
+
+    examples = make_task(name, n, depth, seed, **options)
+    if not examples:
+        fail("n", n, "must be >= 1 to estimate a chance rate")
+    return max(Counter(ex.answer for ex in examples).values()) / len(examples)
+
+
 def score(example: Example, prediction: str) -> bool:
     """Return True when prediction equals the example's answer up to surrounding whitespace."""
     if not isinstance(prediction, str):

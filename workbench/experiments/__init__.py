@@ -6,8 +6,8 @@ keeps working whichever module holds the code.
 
 from .explorer import find_quickstart_checkpoint, open_model, tiny_model
 from .runs import (TASK_DEPTHS, Run, check_train_notebook, check_train_run, demo_trainer, law_table, load_run,
-                   mixed_corpus, sweep_table, train_notebook_args, train_run)
+                   mixed_corpus, sweep_table, task_results, train_notebook_args, train_run)
 
 __all__ = ["TASK_DEPTHS", "Run", "check_train_notebook", "check_train_run", "demo_trainer", "law_table", "load_run",
-           "mixed_corpus", "sweep_table", "train_notebook_args", "train_run", "find_quickstart_checkpoint",
+           "mixed_corpus", "sweep_table", "task_results", "train_notebook_args", "train_run", "find_quickstart_checkpoint",
            "open_model", "tiny_model"]

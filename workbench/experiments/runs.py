@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,26 +31,93 @@ from ..io import RUN_CONFIG, TOKENIZER, clear_run, holds_run, provenance, read_j
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
 
-def _task_examples(tasks: Sequence[str], depths: Sequence[int] | None, n: int, seed: int) -> list:
+def _trained_depths(name: str, depths: Sequence[int] | None) -> list[int]:
+    """Return the depths task `name` is trained at: `depths` (one list for every task), else TASK_DEPTHS."""
+    return [0] if name == "recall" else list(depths or TASK_DEPTHS.get(name, (1,)))
+
+
+def _eval_depths(name: str, depths: Sequence[int] | None) -> list[int]:
+    """Return the trained depths of a reasoning task and the depths past them, up to twice the deepest."""
+    from ..data.tasks import REASONING, depth_range, task_group
+
+    trained = _trained_depths(name, depths)
+    if task_group(name) != REASONING:
+        return trained
+    top, hi = max(trained), depth_range(name)[1]
+    return sorted(set(trained) | {d for d in range(top + 1, 2 * top + 1) if hi is None or d <= hi})
+
+
+def _task_examples(tasks: Sequence[str], depths: Sequence[int] | None, n: int, seed: int,
+                   beyond: bool = False, options: dict | None = None) -> list:
     from ..data.tasks import make_task
 
     out = []
     for name in tasks:
-        for d in (depths or TASK_DEPTHS.get(name, (1,))):
-            if name == "recall":
-                d = 0
-            out.extend(make_task(name, n, d, seed=seed))
-            if name == "recall":
-                break
+        for d in (_eval_depths(name, depths) if beyond else _trained_depths(name, depths)):
+            out.extend(make_task(name, n, d, seed=seed, **(options or {}).get(name, {})))
+    return out
+
+
+def check_task_options(task_options: Any, tasks: Sequence[str]) -> dict:
+    """Return task_options ({task: {option: value}}) after checking each task is trained and each option valid."""
+    from ..data.tasks import depth_range, make_task, task_options as options_of
+
+    if task_options is None:
+        return {}
+    if not isinstance(task_options, dict):
+        fail("task_options", task_options, "must be a mapping {task name: {option: value}}")
+    for name, opts in task_options.items():
+        if name not in tasks:
+            fail(f"task_options[{name!r}]", opts, f"names a task that is not trained; tasks are {list(tasks)}")
+        if not isinstance(opts, dict):
+            fail(f"task_options[{name!r}]", opts, f"must be a mapping of options of {name!r}: {options_of(name)}")
+        try:  # one example at the lowest depth: the generator's own checks name the option and what it allows
+            make_task(name, 1, depth_range(name)[0], **opts)
+        except ValueError as e:
+            raise ValueError(f"task_options[{name!r}]: {e}") from None
+    return task_options
+
+
+def task_results(ts: xr.Dataset, tasks: Sequence[str], depths: Sequence[int] | None,
+                 options: dict | None = None) -> xr.Dataset:
+    """Return per-loop task accuracy with its count, majority-class chance, trained-depth mask, and group means.
+
+    `ts` is `loop_sweep` over task examples. `group_accuracy` averages the examples at the depths a task
+    was trained at; `group_accuracy_beyond` those past them (NaN for a group with none); `task_chance` is
+    `data.tasks.chance_rate` for every (task, depth) cell, to read beside every accuracy.
+    """
+    from ..data.tasks import chance_rate
+
+    trained = xr.DataArray([[int(d) in _trained_depths(t, depths) for d in ts.depth.values] for t in ts.task.values],
+                           dims=("task", "depth"), coords={"task": ts.task, "depth": ts.depth})
+    chance = xr.DataArray([[chance_rate(t, int(d), **(options or {}).get(t, {})) if c > 0 else np.nan for d, c in zip(ts.depth.values, row)]
+                           for t, row in zip(ts.task.values, ts["count"].values)],
+                          dims=("task", "depth"), coords={"task": ts.task, "depth": ts.depth})
+    hits = (ts.accuracy * ts["count"]).fillna(0)
+    out = xr.Dataset({"task_accuracy": ts.accuracy, "task_count": ts["count"],
+                      "task_chance": chance.assign_attrs(long_name="majority-class chance (share of the most "
+                                                                   "common answer)"),
+                      "task_trained": trained.assign_attrs(long_name="depth seen in training")})
+    groups = sorted(set(ts.task_group.values.tolist()))
+    for name, mask in (("group_accuracy", trained), ("group_accuracy_beyond", ~trained)):
+        vals = []
+        for g in groups:
+            sel = (ts.task_group == g) & mask
+            n = float(ts["count"].where(sel).sum())
+            vals.append(hits.where(sel).sum(("task", "depth")) / n if n else hits.isel(task=0, depth=0) * np.nan)
+        out[name] = xr.concat(vals, dim="group").assign_coords(group=groups).transpose("loop", "group")
     return out
 
 
 def mixed_corpus(corpus: str = "stdlib", tasks: Sequence[str] = (), task_ratio: float = 0.2,
-                 task_depths: Sequence[int] | None = None, n_per_depth: int = 2000, seed: int = 0):
+                 task_depths: Sequence[int] | None = None, n_per_depth: int = 2000, seed: int = 0,
+                 task_options: dict | None = None):
     """Return a Corpus: the named text source, with synthetic task texts mixed in when `tasks` is non-empty.
 
-    With "recall" among the tasks, the facts it queries (`recall_facts`) are added as training text,
-    so recall measures knowledge stored in the weights.
+    `task_ratio` is the share of the stream's characters that are task text: the examples (cycled,
+    joined by newlines) are cut into documents of the corpus's median document length and inserted at
+    seeded positions. With "recall" among the tasks, the facts it queries (`recall_facts`) are added as
+    training text, so recall measures knowledge stored in the weights.
     """
     from ..data.corpus import Corpus, load_corpus
     from ..data.tasks import mix_texts, recall_facts
@@ -57,15 +125,31 @@ def mixed_corpus(corpus: str = "stdlib", tasks: Sequence[str] = (), task_ratio: 
     base = load_corpus(corpus)
     if not tasks:
         return base
-    examples = _task_examples(tasks, task_depths, n_per_depth, seed)
+    examples = _task_examples(tasks, task_depths, n_per_depth, seed, options=task_options)
     texts = [ex.text for ex in examples]
     if "recall" in tasks:
-        texts += recall_facts(100, seed=seed) * 5
+        texts += recall_facts((task_options or {}).get("recall", {}).get("n_entities", 100), seed=seed) * 5
+    random.Random(seed).shuffle(texts)  # depths and tasks interleaved, not in blocks
+    # "chars-v2": task_ratio once counted items (a 50-byte example against an 8 kB source file), which put
+    # 0.1% task text into the stream at task_ratio 0.3; the key changes so no cache of that mix is reused
     key = hashlib.sha256(json.dumps([base.content_hash, sorted(tasks), task_ratio, list(task_depths or []),
-                                     n_per_depth, seed]).encode()).hexdigest()
+                                     n_per_depth, seed, "chars-v2", task_options or {}],
+                                    sort_keys=True).encode()).hexdigest()
 
     def documents():
-        return iter(mix_texts(list(base.documents()), texts, task_ratio, seed=seed))
+        docs = list(base.documents())
+        size = int(np.median([len(d) for d in docs])) if docs else 4096
+        want = task_ratio / (1.0 - task_ratio) * sum(len(d) for d in docs)  # task characters
+        task_docs, cur, cur_len, n, i = [], [], 0, 0, 0
+        while n < want:
+            t = texts[i % len(texts)]
+            cur.append(t)
+            cur_len, n, i = cur_len + len(t) + 1, n + len(t) + 1, i + 1
+            if cur_len >= size or n >= want:
+                task_docs.append("\n".join(cur))
+                cur, cur_len = [], 0
+        share = len(task_docs) / (len(task_docs) + len(docs))  # mix_texts counts items
+        return iter(mix_texts(docs, task_docs, share, seed=seed)) if task_docs else iter(docs)
 
     return Corpus(f"{corpus}+{'+'.join(tasks)}", documents, fingerprint=key,
                   options={"tasks": ",".join(tasks), "task_ratio": task_ratio, "seed": seed})
@@ -92,7 +176,8 @@ class Run:
                                  "no experiment.json): retrain it with `workbench train` or train_run to get "
                                  "validation text")
             corpus = mixed_corpus(e["corpus"], e.get("tasks", []), e.get("task_ratio", 0.2),
-                                  e.get("task_depths") or None, seed=e.get("seed", 0))
+                                  e.get("task_depths") or None, seed=e.get("seed", 0),
+                                  task_options=e.get("task_options") or None)
             self._data = tokenize_corpus(corpus, self.tokenizer, progress=False)
         return self._data
 
@@ -103,10 +188,15 @@ class Run:
         seq_len = min(seq_len, self.model.cfg.max_seq_len)
         return next(BatchSampler(np.asarray(self.data().val), n, seq_len, seed=seed))
 
-    def task_examples(self, n: int = 64, seed: int = 1_000_003) -> list:
-        """Return held-out task examples (a seed the training mix never used) of the run's tasks."""
+    def task_examples(self, n: int = 64, seed: int = 1_000_003, beyond: bool = True) -> list:
+        """Return n held-out task examples per task and depth (a seed the training mix never used).
+
+        With `beyond` (default) reasoning tasks are also drawn past their deepest trained depth, up to
+        twice it, so accuracy can be read beyond the training depth.
+        """
         e = self.experiment
-        return _task_examples(e.get("tasks", []), e.get("task_depths") or None, n, seed)
+        return _task_examples(e.get("tasks", []), e.get("task_depths") or None, n, seed,
+                              beyond=check_bool("beyond", beyond), options=e.get("task_options") or None)
 
 
 def load_run(path: str | os.PathLike, device=None) -> Run:
@@ -134,7 +224,7 @@ def _int_list(field: str, value: Any, lo: int, allow_none: bool = True) -> list[
 def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
                     tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
                     eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
-                    resume: bool = True, overwrite: bool = False):
+                    resume: bool = True, overwrite: bool = False, task_options: dict | None = None):
     """Return (LoopConfig, TrainConfig) that train_run's arguments describe, checking every one before any work.
 
     The LoopConfig's vocab_size is the one asked for (the tokenizer's real size replaces it later).
@@ -157,8 +247,10 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     for i, name in enumerate(tasks):
         if name not in TASKS:
             fail(f"tasks[{i}]", name, f"must be one of {', '.join(TASKS)}")
-    check_float("task_ratio", task_ratio, 0, 1)
+    check_float("task_ratio", task_ratio, 0, 1, hi_open=True,
+                allowed="must be a number with 0 <= task_ratio < 1 (the share of the text's characters)")
     _int_list("task_depths", task_depths, 0)
+    check_task_options(task_options, tasks)
     if eval_loops is not None and not _int_list("eval_loops", eval_loops, 1):
         fail("eval_loops", eval_loops, "must be None or a non-empty list of integers >= 1")
     check_int("seed", seed, 0)
@@ -226,7 +318,8 @@ def _train_run_processes(nproc: int, kwargs: dict) -> tuple[Run, xr.Dataset]:
 def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
               tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
               eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
-              resume: bool = True, overwrite: bool = False, nproc: int = 1) -> tuple[Run, xr.Dataset]:
+              resume: bool = True, overwrite: bool = False, nproc: int = 1,
+              task_options: dict | None = None) -> tuple[Run, xr.Dataset]:
     """Return (Run, results Dataset) after training LoopConfig(**model) with TrainConfig(**train) on a corpus.
 
     `out_dir` becomes a run folder (layout in `workbench.io`). Every argument is checked first
@@ -250,13 +343,14 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     from ..train import Trainer, init_distributed
 
     cfg, tc = check_train_run(model, train, corpus, vocab_size, tasks, task_ratio, task_depths, eval_loops, seed,
-                              progress, resume, overwrite)
+                              progress, resume, overwrite, task_options)
     check_int("nproc", nproc, 1)
     if nproc > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return _train_run_processes(nproc, dict(out_dir=str(out_dir), model=model, train=train, corpus=corpus,
                                                 vocab_size=vocab_size, tasks=list(tasks), task_ratio=task_ratio,
                                                 task_depths=task_depths, eval_loops=eval_loops, seed=seed,
-                                                progress=progress, resume=resume, overwrite=overwrite))
+                                                progress=progress, resume=resume, overwrite=overwrite,
+                                                task_options=task_options))
     rank, world, _ = init_distributed()  # (0, 1, None) alone
 
     def barrier() -> None:
@@ -267,7 +361,8 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     if out.exists() and not out.is_dir():
         fail("out_dir", str(out_dir), "must be a folder (it is a file)")
     experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
-                  "task_depths": list(task_depths or []), "seed": seed}
+                  "task_depths": list(task_depths or []), "seed": seed,
+                  **({"task_options": task_options} if task_options else {})}
     if holds_run(out):
         if resume and (out / RUN_CONFIG).is_file():
             _resume_conflicts(out, cfg, tc, {**experiment, "vocab_request": vocab_size})
@@ -280,7 +375,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     barrier()  # rank 0 changes the folder only after every rank has checked it as it was
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed)
+    text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed, task_options=task_options)
     tok_path = out / TOKENIZER
     tok = None
     if rank == 0 and not (resume and tok_path.exists()):
@@ -331,11 +426,8 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     for k, v in scalars.items():
         ds[k] = ((), float(v))
     if tasks:
-        ex = run.task_examples()
-        ts = loop_sweep(net, ex, loops, tokenizer=tok, progress=False, bf16=trainer.bf16)
-        ds["task_accuracy"] = ts["accuracy"]
-        ds["task_count"] = ts["count"]
-        ds["group_accuracy"] = ts["group_accuracy"]
+        ts = loop_sweep(net, run.task_examples(), loops, tokenizer=tok, progress=False, bf16=trainer.bf16)
+        ds.update(task_results(ts, tasks, task_depths, task_options))
     ds.attrs = provenance(cfg, seed, train_config=tc.to_json(), corpus=corpus, tasks=",".join(tasks),
                           training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
                           **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
@@ -352,7 +444,8 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                         model_overrides: dict | None = None, steps: int = 300, flops: float = 0.0,
                         batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
                         loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
-                        bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".") -> dict:
+                        bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".",
+                        task_options: dict | None = None) -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
     One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
@@ -381,7 +474,7 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                  backward_loops=backward_loops or None, warmup=min(20, steps // 10), bf16=bf16, compile=compile,
                  **budget)
     return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
-                eval_loops=eval_loops, seed=seed, nproc=nproc)
+                eval_loops=eval_loops, seed=seed, nproc=nproc, task_options=task_options or None)
 
 
 def check_train_notebook(params: dict) -> None:

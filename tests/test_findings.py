@@ -1,0 +1,91 @@
+"""What the findings pipelines measure (issue 20): task mixing by characters, accuracy beyond the trained depth
+with chance beside it."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from workbench.data.tasks import chance_rate, make_task
+from workbench.experiments.runs import _task_examples, mixed_corpus, task_results
+
+
+def test_task_ratio_is_the_share_of_the_streams_characters(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = []
+    for i in range(40):  # source files of a few kB, as in the stdlib corpus, against ~40-byte task examples
+        text = "".join(rng.choice(list("abcdefgh \n"), int(rng.integers(2000, 6000))))
+        (tmp_path / f"doc{i:02d}.txt").write_text(text)
+        docs.append(text)
+    for ratio in (0.1, 0.3, 0.6):
+        stream = list(mixed_corpus(f"path:{tmp_path}", ["iterated"], ratio, seed=1).documents())
+        task_chars = sum(len(d) for d in stream if "f^" in d)
+        share = task_chars / sum(len(d) for d in stream)
+        assert abs(share - ratio) < 0.02, (ratio, share)  # items counted, this was ~0.01 at ratio 0.3
+        assert [d for d in stream if "f^" not in d] == sorted(docs, key=lambda d: docs.index(d))  # corpus kept, in order
+        assert sum(d.count("f^") for d in stream if "f^" in d) > 10 * ratio * 40  # many examples, not a handful
+
+
+def test_evaluation_reaches_past_the_trained_depth_for_reasoning_tasks_only():
+    ex = _task_examples(["iterated", "recall", "deduction"], None, 2, seed=5, beyond=True)
+    depths = {t: sorted({e.depth for e in ex if e.task == t}) for t in ("iterated", "recall", "deduction")}
+    assert depths == {"iterated": [1, 2, 3, 4, 5, 6, 7, 8], "recall": [0], "deduction": [1, 2, 3, 4, 5, 6]}
+    trained = _task_examples(["iterated"], None, 2, seed=5)
+    assert sorted({e.depth for e in trained}) == [1, 2, 3, 4]
+    assert [e.prompt for e in ex if e.task == "iterated" and e.depth <= 4] == [e.prompt for e in trained]
+
+
+def test_chance_rate_is_the_most_common_answers_share():
+    for name, depth in (("deduction", 2), ("iterated", 3)):
+        ex = make_task(name, 1000, depth, 0)
+        assert chance_rate(name, depth) == max(Counter(e.answer for e in ex).values()) / 1000
+    assert 0.45 < chance_rate("deduction", 2) < 0.56  # balanced true/false
+    assert chance_rate("iterated", 3, rule="add") == pytest.approx(0.1, abs=0.03)  # ten residues
+
+
+def test_group_accuracy_splits_trained_and_beyond_depths_against_a_loop():
+    rng = np.random.default_rng(3)
+    tasks, depths, loops = ["deduction", "iterated", "recall"], [0, 1, 2, 3, 4, 5, 6, 7, 8], [1, 4]
+    count = rng.integers(0, 5, (3, 9)).astype(float)
+    count[2, 1:] = 0  # recall: depth 0 only
+    count[:2, 0] = 0
+    count[0, 2] = 3  # a cell the chance check below reads
+    acc = np.where(count > 0, rng.random((2, 3, 9)), np.nan)
+    ts = xr.Dataset({"accuracy": (("loop", "task", "depth"), acc), "count": (("task", "depth"), count)},
+                    coords={"loop": loops, "task": tasks, "depth": depths,
+                            "task_group": ("task", ["reasoning", "reasoning", "knowledge"])})
+    out = task_results(ts, ["deduction", "iterated", "recall"], None)
+    trained = {"deduction": {1, 2, 3}, "iterated": {1, 2, 3, 4}, "recall": {0}}
+    for li in range(2):
+        for g, ts_ in (("reasoning", (0, 1)), ("knowledge", (2,))):
+            for var, inside in (("group_accuracy", True), ("group_accuracy_beyond", False)):
+                hits = n = 0.0
+                for ti in ts_:
+                    for di, d in enumerate(depths):
+                        if count[ti, di] and ((d in trained[tasks[ti]]) == inside):
+                            hits += acc[li, ti, di] * count[ti, di]
+                            n += count[ti, di]
+                got = float(out[var].isel(loop=li).sel(group=g))
+                if n:
+                    assert got == pytest.approx(hits / n), (var, g, li)
+                else:
+                    assert np.isnan(got), (var, g, li)
+    assert out.task_trained.sel(task="iterated", depth=4) and not out.task_trained.sel(task="iterated", depth=5)
+    assert float(out.task_chance.sel(task="deduction", depth=2)) == chance_rate("deduction", 2)
+    assert np.isnan(float(out.task_chance.sel(task="recall", depth=3)))  # no examples there
+
+
+def test_task_options_reach_the_generator_and_bad_ones_are_named(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n" * 300)
+    stream = "\n".join(mixed_corpus(f"path:{tmp_path}", ["iterated", "recall"], 0.5, seed=0,
+                                    task_options={"iterated": {"rule": "add"}, "recall": {"n_entities": 3}}).documents())
+    assert "f(x)=x+" in stream and "s=" not in stream and "*x+" not in stream  # only the add rule
+    from workbench.data.tasks import recall_facts
+    named = {f.split(" of ")[1].split(" is")[0] for f in recall_facts(20)}
+    assert sum(name in stream for name in named) == 3  # the first three countries only
+    from workbench.experiments.runs import check_task_options
+    for bad, field in (({"kinship": {}}, "task_options['kinship']"), ({"iterated": {"rules": "add"}}, "rules"),
+                       ({"iterated": {"rule": "mul"}}, "rule"), ({"recall": 5}, "task_options['recall']")):
+        with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            check_task_options(bad, ["iterated", "recall"])
