@@ -89,3 +89,15 @@ def test_task_options_reach_the_generator_and_bad_ones_are_named(tmp_path):
                        ({"iterated": {"rule": "mul"}}, "rule"), ({"recall": 5}, "task_options['recall']")):
         with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
             check_task_options(bad, ["iterated", "recall"])
+
+
+def test_held_out_recall_questions_ask_about_the_trained_facts():
+    from workbench.data.tasks import recall_facts
+
+    trained = set(recall_facts(20, seed=7))
+    ex = _task_examples(["recall", "iterated"], None, 30, seed=1_000_003, options={"recall": {"n_entities": 20}},
+                        world_seed=7)
+    asked = [f"{e.prompt}{e.answer}." for e in ex if e.task == "recall"]
+    assert len(asked) == 30 and set(asked) <= trained  # every question has its answer in the training text
+    other = _task_examples(["recall"], None, 30, seed=1_000_003, options={"recall": {"n_entities": 20}})
+    assert not {f"{e.prompt}{e.answer}." for e in other} & trained  # the old behaviour: another world entirely

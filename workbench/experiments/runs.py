@@ -48,13 +48,17 @@ def _eval_depths(name: str, depths: Sequence[int] | None) -> list[int]:
 
 
 def _task_examples(tasks: Sequence[str], depths: Sequence[int] | None, n: int, seed: int,
-                   beyond: bool = False, options: dict | None = None) -> list:
+                   beyond: bool = False, options: dict | None = None, world_seed: int | None = None) -> list:
+    """Return n examples per task and depth; recall asks about the world of `world_seed` (default `seed`)."""
     from ..data.tasks import make_task
 
     out = []
     for name in tasks:
+        # recall's seed is its world (which countries, which facts): held-out recall questions must ask
+        # about the facts the model was trained on, so they take the training seed, not the held-out one
+        s = world_seed if name == "recall" and world_seed is not None else seed
         for d in (_eval_depths(name, depths) if beyond else _trained_depths(name, depths)):
-            out.extend(make_task(name, n, d, seed=seed, **(options or {}).get(name, {})))
+            out.extend(make_task(name, n, d, seed=s, **(options or {}).get(name, {})))
     return out
 
 
@@ -191,12 +195,14 @@ class Run:
     def task_examples(self, n: int = 64, seed: int = 1_000_003, beyond: bool = True) -> list:
         """Return n held-out task examples per task and depth (a seed the training mix never used).
 
+        Recall questions ask about the facts the run trained on (its world is the training seed's).
         With `beyond` (default) reasoning tasks are also drawn past their deepest trained depth, up to
         twice it, so accuracy can be read beyond the training depth.
         """
         e = self.experiment
         return _task_examples(e.get("tasks", []), e.get("task_depths") or None, n, seed,
-                              beyond=check_bool("beyond", beyond), options=e.get("task_options") or None)
+                              beyond=check_bool("beyond", beyond), options=e.get("task_options") or None,
+                              world_seed=e.get("seed", 0))
 
 
 def load_run(path: str | os.PathLike, device=None) -> Run:
