@@ -536,3 +536,23 @@ def test_bad_bases_are_named(tmp_path):
     gpt2.save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="gpt2' holds model_type='gpt2', which is not supported"):
         rf.retrofit(tmp_path / "gpt2", 1, 0, 1)
+
+
+def test_recipe_run_trains_the_curriculum_then_final_answers_and_reports_both(tmp_path):
+    ds = rx.recipe_run(tmp_path, loops=3, adapter_rank=4, steps=4, anneal_steps=2, batch_size=4, n_train=8,
+                       eval_depths=[1, 2, 4], n_eval=2, n_answers=1)
+    a = ds.attrs
+    # the adapter budget's loop 1 is the frozen base: stages start at depth 2 and loop 1 never moves
+    assert a["first_depth"] == 2 and a["curriculum"] == "2,3" and ds.loop1_loss_diff.item() == 0.0
+    assert ds.step_accuracy.dims == ("phase", "depth") and ds.phase.values.tolist() == ["per_loop", "final_only"]
+    assert ds.train_loss.sizes["step"] == 4 + 2 and ds.answer_accuracy.approach.values.tolist() == [
+        "looped", "scratchpad"]
+    final = ds.step_accuracy.sel(phase="final_only").values
+    below = [d for d, acc in zip([1, 2, 4], final) if d >= 2 and not acc >= 0.7]
+    assert a["extrapolation_depth"] == (below[0] if below else 0)
+    back = xr.load_dataset(tmp_path / "results.nc", engine="h5netcdf")
+    np.testing.assert_array_equal(back.step_accuracy.values, ds.step_accuracy.values)
+    with pytest.raises(ValueError, match="loops=1"):
+        rx.recipe_run(tmp_path, loops=1)
+    model = rf.retrofit(tiny_base(), 1, 2, 1, budget="full", loops=3)
+    assert rx.first_depth(model) == 1  # the full budget trains loop 1 too

@@ -267,11 +267,12 @@ def loop1_check(model: LoopLM, base, tokenizer=None, text=None, n_windows: int =
     mean loss difference (retrofit - base, nats/token) gets a paired percentile bootstrap interval over
     windows (`n_boot` draws, 95%); the knowledge battery (`battery`, default `knowledge_battery()`) is
     scored teacher-forced by both (skipped, NaN, without a tokenizer). Non-inferior when the interval's
-    upper end is below `margin` and the battery accuracy falls by at most `knowledge_margin`. `base` is the Hugging Face base (run as its
-    exact `from_hf` conversion, so both sides use the same kernels and an untouched retrofit differs by
-    exactly 0), a path `load_base` reads, or a LoopLM read at loops=1. Variables: `window_loss`
-    (model, window), `loss` and `knowledge_accuracy` (model = base, retrofit), `loss_diff` with
-    `loss_diff_lo`/`loss_diff_hi`, `knowledge_diff`, `non_inferior` (1/0); attrs say the verdict.
+    upper end is below `margin` and the battery accuracy falls by at most `knowledge_margin`. `base` is
+    the Hugging Face base (run as its exact `from_hf` conversion, so both sides use the same kernels and
+    an untouched retrofit differs by exactly 0), a path `load_base` reads, or a LoopLM read at loops=1.
+    Variables: `window_loss` (model, window), `loss` and `knowledge_accuracy` (model = base, retrofit),
+    `loss_diff` with `loss_diff_lo`/`loss_diff_hi`, `knowledge_diff`, `non_inferior` (1/0); attrs say
+    the verdict.
     """
     n_windows, seq_len = check_int("n_windows", n_windows, 2), check_int("seq_len", seq_len, 1)
     margin = check_float("margin", margin, 0, lo_open=True)
@@ -329,6 +330,93 @@ def loop1_check(model: LoopLM, base, tokenizer=None, text=None, n_windows: int =
                "interval": "paired percentile bootstrap over windows, 95%", "seed": seed,
                "text": "token ids given" if isinstance(text, torch.Tensor) else
                "heldout_text() (Python standard-library source, ASCII)" if text is None else "text given"})
+
+
+def _base_and_tokenizer(base: str, layers: int, seed: int):
+    """Return (base model, tokenizer): SmolLM2 from its GGUF, or a tiny random Llama with a byte tokenizer."""
+    check_choice("base", base, ("smollm2", "tiny"))
+    if base == "smollm2":
+        return load_smollm2()
+    return random_llama(layers=check_int("prelude + core + coda", layers, 1), std=0.2, seed=seed), ByteTokenizer(128)
+
+
+def first_depth(model: LoopLM) -> int:
+    """Return the first task depth whose grading can train the model: 2 when loop 1 cannot move (adapters), else 1."""
+    frozen_loop1 = model.cfg.inject == "bridge" and not any(
+        p.requires_grad for n, p in model.named_parameters() if n.startswith("core.") and "_adapter." not in n)
+    return 2 if frozen_loop1 else 1
+
+
+def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, coda: int = 1, budget: str = "adapter",
+               loops: int = 4, adapter_rank: int = 32, steps: int = 800, anneal_steps: int = 200,
+               batch_size: int = 32, lr: float = 3e-3, loop1_distill: float = 0.0, n_train: int = 700,
+               eval_depths: Sequence[int] | None = None, n_eval: int = 40, n_answers: int = 20, rule: str = "add",
+               modulus: int = 10, seed: int = 0, progress: bool = False) -> xr.Dataset:
+    """Return the re-entry recipe's results (loop t computes step t), also written to `out_dir/results.nc`.
+
+    Phase 1, per-loop supervision (align="step") with a curriculum over depth: `steps` steps split
+    evenly over stages m = 2..loops, stage m training on depths first..m (first = 2 under the adapter
+    budget, whose loop 1 is the frozen base, else 1). Phase 2, `anneal_steps` steps graded on each
+    example's final answer only (at loop = its depth). Teacher-forced `step_accuracy` (loop = depth)
+    is measured after each phase (dim `phase`: per_loop, final_only) on `eval_depths` (default
+    1..ceil(1.5 loops) + 1, beyond the supervised depth); greedy `answer_accuracy` and
+    `seconds_per_answer` after phase 2 against a scratchpad baseline trained with the same budget,
+    examples and total steps; `loop1_check` against the base. attrs["extrapolation_depth"] is the
+    first depth >= 2 whose final diagonal accuracy is below 0.7 (0 when none is). Each train_retrofit
+    call starts its optimiser afresh (stages and phases continue the weights).
+    """
+    K = check_int("loops", loops, 2)
+    check_int("steps", steps, 1)
+    check_int("anneal_steps", anneal_steps, 0)
+    depths = sorted({check_int("eval_depths", d, 1) for d in (eval_depths or range(1, math.ceil(1.5 * K) + 2))})
+    llama, tok = _base_and_tokenizer(base, prelude + core + coda, seed)
+    model = retrofit(llama, prelude, core, coda, budget=budget, loops=K, adapter_rank=adapter_rank, seed=seed)
+    first = first_depth(model)
+    stages = list(range(max(2, first), K + 1))
+    warm = min(10, max(1, steps // 10))
+    common = dict(batch_size=batch_size, lr=lr, seed=seed, progress=progress, loop1_distill=loop1_distill)
+    losses, phases, t0 = [], [], time.perf_counter()
+    for i, m in enumerate(stages):
+        n = steps // len(stages) + (1 if i < steps % len(stages) else 0)
+        if n:
+            ex = iterated_examples(n_train, list(range(first, m + 1)), seed + i, rule, modulus)
+            losses.append(train_retrofit(model, tok, ex, n, warmup=warm, **common).loss.values)
+    sweep = dict(n=n_eval, seed=seed + 1, loops=list(range(1, max(depths) + 1)), supervised_depth=K, rule=rule,
+                 modulus=modulus)
+    phases.append(depth_sweep(model, tok, depths, **sweep).step_accuracy)
+    final_examples = iterated_examples(n_train, list(range(first, K + 1)), seed, rule, modulus)
+    if anneal_steps:
+        losses.append(train_retrofit(model, tok, final_examples, anneal_steps, warmup=1, per_loop=False,
+                                     **common).loss.values)
+    train_s = time.perf_counter() - t0
+    final = depth_sweep(model, tok, depths, **sweep)
+    phases.append(final.step_accuracy)
+    ds = final.drop_vars(["step_accuracy"])
+    ds["step_accuracy"] = xr.concat(phases, dim="phase").assign_coords(phase=["per_loop", "final_only"])
+    answers = [answer_sweep(model, tok, depths, n=n_answers, seed=seed + 1, supervised_depth=K, rule=rule,
+                            modulus=modulus)]
+    scratch = retrofit(llama, prelude, core, coda, budget=budget, loops=1, adapter_rank=adapter_rank, bridge=False,
+                       seed=seed)
+    train_retrofit(scratch, tok, scratchpad_examples(final_examples), steps + anneal_steps, batch_size=batch_size,
+                   lr=lr, seed=seed, warmup=warm, progress=progress)
+    answers.append(answer_sweep(scratch, tok, depths, n=n_answers, seed=seed + 1, approach="scratchpad",
+                                supervised_depth=K, rule=rule, modulus=modulus))
+    ans = xr.concat(answers, dim="approach")
+    for name in ("accuracy", "seconds_per_answer", "tokens_per_answer"):
+        ds[f"answer_{name}" if name == "accuracy" else name] = ans[name]
+    ds["train_loss"] = ("step", np.concatenate(losses))
+    check = loop1_check(model, llama, tok, seed=seed)
+    for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
+        ds[f"loop1_{name}"] = check[name]
+    acc = ds.step_accuracy.sel(phase="final_only")
+    below = [int(d) for d in acc.depth.values if d >= 2 and not acc.sel(depth=d) >= 0.7]
+    ds.attrs.update(provenance(model.cfg, seed, base=base, budget=budget, adapter_rank=adapter_rank, steps=steps,
+                               anneal_steps=anneal_steps, batch_size=batch_size, lr=lr, loop1_distill=loop1_distill,
+                               n_train=n_train, rule=rule, modulus=modulus, supervised_depth=K, first_depth=first,
+                               curriculum=",".join(map(str, stages)), train_s=round(train_s, 2),
+                               extrapolation_depth=below[0] if below else 0, loop1_verdict=check.attrs["verdict"]))
+    save_netcdf(ds, Path(out_dir) / "results.nc")
+    return ds
 
 
 # ---- one experiment, as the notebook runs it ----------------------------------------------------------------------
