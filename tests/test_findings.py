@@ -101,3 +101,41 @@ def test_held_out_recall_questions_ask_about_the_trained_facts():
     assert len(asked) == 30 and set(asked) <= trained  # every question has its answer in the training text
     other = _task_examples(["recall"], None, 30, seed=1_000_003, options={"recall": {"n_entities": 20}})
     assert not {f"{e.prompt}{e.answer}." for e in other} & trained  # the old behaviour: another world entirely
+
+
+def test_allocation_summary_measures_each_model_per_sequence_with_a_bootstrap_interval(tmp_path):
+    import json
+
+    import torch
+
+    from workbench import probes
+    from workbench.experiments import load_run, train_run
+    from workbench.experiments.findings import allocation_summary, bootstrap_ci, fmt, markdown_rows
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    runs = tmp_path / "runs"
+    for key, (p, c) in {"a1": (1, 1), "b2": (2, 0)}.items():
+        out = runs / "allocation" / "train" / key
+        train_run(out, model=dict(d_model=16, n_heads=2, n_kv_heads=1, prelude=p, core=2, coda=c, loops=3,
+                                  max_seq_len=64),
+                  train=dict(steps=2, batch_size=2, seq_len=32, progress=False), corpus=f"path:{tmp_path / 'text'}",
+                  vocab_size=300, resume=False)
+        (out / "run.json").write_text(json.dumps({"status": "done", "finished": key, "params": {}}))
+    s = allocation_summary(runs, n=3, seq_len=16)
+    assert list(s.coda.values) == [1, 0]  # models with a coda first
+    run = load_run(runs / "allocation" / "train" / "b2", device="cpu")
+    x = run.val_tokens(3, 16)
+    per_seq = [float(probes.interaction(run.model, x[i:i + 1, :-1], loops=3).terminal_to_core) for i in range(3)]
+    got = s.sel(model=run.model.cfg.notation)
+    assert float(got.terminal_to_core) == pytest.approx(np.mean(per_seq), rel=1e-6)  # coda-free: finite, per sequence
+    assert float(got.terminal_to_core_low) <= np.mean(per_seq) <= float(got.terminal_to_core_high)
+    with torch.no_grad():
+        loss = np.mean([float(run.model(x[i:i + 1, :-1], loops=3, targets=x[i:i + 1, 1:]).loss) for i in range(3)])
+    assert float(got.loss_at_K) == pytest.approx(loss, rel=1e-6)
+    rows = markdown_rows(s)
+    assert len(rows) == 2 and fmt(float(got.terminal_to_core), float(got.terminal_to_core_low),
+                                  float(got.terminal_to_core_high)) in rows[1] and "no coda" in rows[1]
+    mean, lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and 1.0 <= lo < 2.5 < hi <= 4.0
+    assert bootstrap_ci([5.0, 5.0]) == (5.0, 5.0, 5.0)

@@ -150,6 +150,25 @@ def test_smoke_pipeline(name, tmp_path):
         train, = pipeline.find_runs("quickstart", "train", runs)
         threads = xr.load_dataset(train / "results.nc", engine="h5netcdf").attrs["threads"]
         assert int(threads) == max(1, len(os.sched_getaffinity(0)) // 2)
+    if name == "conditioning":
+        check_conditioning(pipe, runs)
+    if name == "allocation":  # SPEC §3: the terminal-to-core ratio is defined with and without a coda
+        for job in pipeline.expand(pipe, runs):
+            if job.step == "geometry":
+                assert np.isfinite(float(xr.load_dataset(job.dir / "results.nc", engine="h5netcdf").terminal_to_core))
+
+
+def check_conditioning(pipe, runs: Path) -> None:
+    """Assert the conditioning runs read task accuracy past the trained depth, with chance and the trained mask."""
+    for job in pipeline.expand(pipe, runs):
+        if job.step not in ("train", "sweep"):
+            continue
+        ds = xr.load_dataset(job.dir / "results.nc", engine="h5netcdf")
+        it = ds.sel(task="iterated")
+        assert it.task_trained.sel(depth=[1, 2, 3, 4]).all() and not it.task_trained.sel(depth=[5, 6, 7, 8]).any()
+        assert (it.task_count.sel(depth=[5, 6, 7, 8]) > 0).all()  # examples past the trained depth, on by default
+        assert "group_accuracy_beyond" in ds and np.isfinite(ds.group_accuracy_beyond.sel(group="reasoning")).all()
+        assert np.isfinite(ds.task_chance.sel(task="iterated", depth=range(1, 9))).all()
 
 
 def check_quickstart(runs: Path) -> None:

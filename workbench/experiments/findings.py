@@ -1,0 +1,107 @@
+"""Findings: a pipeline's finished runs reduced to the numbers a paper's claim is checked against, with 95% intervals.
+
+`allocation_summary(runs_dir)` reads the allocation pipeline's trained models and measures, per model,
+the terminal-to-core response ratio (SPEC §3) and the validation loss at its training loop count, each
+on `n` held-out sequences separately, so the 95% interval is a percentile bootstrap over sequences.
+`collect(...)` copies a pipeline's compact results (each done run's results.nc, figure JSON and
+run.json) under a folder such as docs/findings/<pipeline>/; `markdown_rows(summary)` formats the
+numbers docs/findings.md quotes, so a test can check the document against the committed data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..config import check_int
+from ..io import find_runs
+
+
+def bootstrap_ci(values: Any, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Return (mean, low, high): the mean of `values` and its 95% percentile-bootstrap interval."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, (check_int("n_boot", n_boot, 1), v.size))].mean(axis=1)
+    return float(v.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def allocation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, seed: int = 0) -> xr.Dataset:
+    """Return per trained model (dim `model`): terminal-to-core ratio and loss at K with 95% bootstrap intervals.
+
+    Every done run of the allocation pipeline's `train` step is reopened; `n` validation windows of
+    `seq_len` tokens are probed one at a time (`probes.interaction` at the training loop count), and
+    the ratio and the next-token loss of each window are the samples the intervals resample.
+    """
+    from ..probes import interaction
+    from .runs import load_run
+
+    n = check_int("n", n, 2)
+    rows = []
+    for d in find_runs("allocation", "train", runs_dir):
+        run = load_run(d, device="cpu")
+        m, K = run.model, run.model.cfg.loops
+        x = run.val_tokens(n, seq_len, seed=seed)
+        ratios, losses = [], []
+        with torch.no_grad():
+            for i in range(n):
+                ratios.append(float(interaction(m, x[i:i + 1, :-1], loops=K).terminal_to_core))
+                losses.append(float(m(x[i:i + 1, :-1], loops=K, targets=x[i:i + 1, 1:]).loss))
+        cfg = m.cfg
+        rows.append({"model": cfg.notation, "prelude": cfg.prelude, "core": cfg.core, "coda": cfg.coda, "loops": K,
+                     "depth": cfg.prelude + cfg.core * K + cfg.coda, "run": d.name,
+                     "ttc": bootstrap_ci(ratios, seed=seed), "loss": bootstrap_ci(losses, seed=seed)})
+    if not rows:
+        raise FileNotFoundError(f"no finished allocation/train runs under {runs_dir}")
+    rows.sort(key=lambda r: (r["coda"] == 0, r["core"] * r["loops"] != 12, r["core"], r["prelude"]))
+    data = {}
+    for key, name, long in (("ttc", "terminal_to_core", "terminal-to-core response ratio (SPEC §3)"),
+                            ("loss", "loss_at_K", "validation loss at the training loop count (nats/token)")):
+        data[name] = ("model", [r[key][0] for r in rows], {"long_name": long})
+        data[f"{name}_low"] = ("model", [r[key][1] for r in rows], {"long_name": f"{long}, 95% interval low"})
+        data[f"{name}_high"] = ("model", [r[key][2] for r in rows], {"long_name": f"{long}, 95% interval high"})
+    coords = {"model": [r["model"] for r in rows]}
+    for k in ("prelude", "core", "coda", "loops", "depth", "run"):
+        coords[k] = ("model", [r[k] for r in rows])
+    return xr.Dataset(data, coords=coords, attrs={"sequences": n, "seq_len": seq_len, "seed": seed,
+                                                   "interval": "95% percentile bootstrap over sequences"})
+
+
+def collect(pipeline: str, runs_dir: str | os.PathLike, dest: str | os.PathLike) -> list[Path]:
+    """Return the folders written: each done run's results.nc, figures/*.json and run.json copied to dest/<step>/<key>/."""
+    src, out, written = Path(runs_dir) / pipeline, Path(dest), []
+    for step in sorted(p.name for p in src.iterdir() if p.is_dir()) if src.is_dir() else []:
+        for d in find_runs(pipeline, step, runs_dir):
+            target = out / step / d.name
+            (target / "figures").mkdir(parents=True, exist_ok=True)
+            for f in ["results.nc", "run.json", *(f"figures/{p.name}" for p in (d / "figures").glob("*.json"))]:
+                if (d / f).exists():
+                    shutil.copy2(d / f, target / f)
+            written.append(target)
+    return written
+
+
+def fmt(value: float, low: float, high: float, digits: int = 2) -> str:
+    """Return `value [low, high]` rounded to `digits` decimals (how docs/findings.md quotes a number)."""
+    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def markdown_rows(summary: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's table rows for an allocation summary: one per model, numbers as `fmt` writes them."""
+    rows = []
+    for i in range(summary.sizes["model"]):
+        s = summary.isel(model=i)
+        kind = "no coda" if int(s.coda) == 0 else ("non-looped" if int(s.loops) == 1 else "coda")
+        rows.append(f"| {str(s.model.values)} | {kind} | {int(s.depth)} | "
+                    f"{fmt(float(s.terminal_to_core), float(s.terminal_to_core_low), float(s.terminal_to_core_high))} | "
+                    f"{fmt(float(s.loss_at_K), float(s.loss_at_K_low), float(s.loss_at_K_high), 3)} |")
+    return rows
+
