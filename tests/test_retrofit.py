@@ -539,13 +539,16 @@ def test_bad_bases_are_named(tmp_path):
 
 
 def test_recipe_run_trains_the_curriculum_then_final_answers_and_reports_both(tmp_path):
-    ds = rx.recipe_run(tmp_path, loops=3, adapter_rank=4, steps=4, anneal_steps=2, batch_size=4, n_train=8,
-                       eval_depths=[1, 2, 4], n_eval=2, n_answers=1)
+    ds = rx.recipe_run(tmp_path, loops=3, adapter_rank=4, steps=4, anneal_steps=2, inverse_steps=2, batch_size=4,
+                       n_train=8, eval_depths=[1, 2, 4], n_eval=2, n_answers=1)
     a = ds.attrs
     # the adapter budget's loop 1 is the frozen base: stages start at depth 2 and loop 1 never moves
     assert a["first_depth"] == 2 and a["curriculum"] == "2,3" and ds.loop1_loss_diff.item() == 0.0
-    assert ds.step_accuracy.dims == ("phase", "depth") and ds.phase.values.tolist() == ["per_loop", "final_only"]
-    assert ds.train_loss.sizes["step"] == 4 + 2 and ds.answer_accuracy.approach.values.tolist() == [
+    assert ds.step_accuracy.dims == ("phase", "depth")
+    assert ds.phase.values.tolist() == ["per_loop", "final_only", "after_inverse"]  # the second task: x - c
+    assert ds.inverse_step_accuracy.dims == ("inverse_phase", "depth")
+    assert ds.loop1_after_inverse_loss_diff.item() == 0.0  # the adapter budget's loop 1 survives any task
+    assert ds.train_loss.sizes["step"] == 4 + 2 + 2 and ds.answer_accuracy.approach.values.tolist() == [
         "looped", "scratchpad"]
     final = ds.step_accuracy.sel(phase="final_only").values
     below = [d for d, acc in zip([1, 2, 4], final) if d >= 2 and not acc >= 0.7]
@@ -556,3 +559,12 @@ def test_recipe_run_trains_the_curriculum_then_final_answers_and_reports_both(tm
         rx.recipe_run(tmp_path, loops=1)
     model = rf.retrofit(tiny_base(), 1, 2, 1, budget="full", loops=3)
     assert rx.first_depth(model) == 1  # the full budget trains loop 1 too
+
+
+def test_inverse_examples_step_backwards():
+    ex = rx.inverse_examples(3, [1, 4], seed=2)
+    for e in ex:
+        x, c = int(e.prompt.split(";")[0][2:]), int(e.prompt.split("x-")[1].split(" ")[0])
+        assert e.steps == tuple(str((x - c * t) % 10) for t in range(1, e.depth + 1)) and e.answer == " " + e.steps[-1]
+    assert rx.inverse_examples(3, [1, 4], seed=2) == ex and rx.task_examples(3, [1, 4], 2, "sub") == ex
+    assert rx.task_examples(3, [2], 2, "add") == iterated_examples(3, [2], 2)

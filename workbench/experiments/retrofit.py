@@ -34,7 +34,7 @@ import xarray as xr
 
 from ..config import check_choice, check_float, check_int, fail
 from ..data.corpus import PRETRAINED, ByteTokenizer, find_smollm2_gguf, pretrained_tokenizer, stdlib_bytes
-from ..data.tasks import (KNOWLEDGE, SCRATCHPAD_STOP, Example, iterated_examples, knowledge_battery,
+from ..data.tasks import (KNOWLEDGE, REASONING, SCRATCHPAD_STOP, Example, iterated_examples, knowledge_battery,
                           parse_scratchpad, score, scratchpad_examples)
 from ..io import provenance, save_netcdf
 from ..models.hf import from_hf, load_base, load_gguf, random_llama, to_hf
@@ -65,6 +65,32 @@ def load_smollm2(dtype: torch.dtype = torch.float32, progress: bool = False, tok
 
         return llama, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return llama, pretrained_tokenizer("smollm2")
+
+
+def inverse_examples(n: int, depths: Sequence[int], seed: int = 0, modulus: int = 10) -> list[Example]:
+    """Return n examples per depth of the add rule's inverse, x - c mod modulus ("sub"), written as the add rule is.
+
+    The retrofit's second task (interference): the inverse of the installed forward rule.
+    """
+    import random
+
+    n, modulus = check_int("n", n, 1), check_int("modulus", modulus, 3, 10**6)
+    out = []
+    for d in depths:
+        rng = random.Random(f"sub-{seed}-{check_int('depth', d, 1)}")  # str seeds hash the same in every process
+        for _ in range(n):
+            x, c = rng.randrange(modulus), rng.randrange(1, modulus)
+            steps = tuple(str((x - c * t) % modulus) for t in range(1, d + 1))
+            out.append(Example(f"x={x}; f(x)=x-{c} mod {modulus}; f^{d}(x)=", f" {steps[-1]}", d, "iterated",
+                               REASONING, steps))
+    return out
+
+
+def task_examples(n: int, depths: Sequence[int], seed: int = 0, rule: str = "add", modulus: int = 10) -> list[Example]:
+    """Return iterated-task examples: `data.tasks.iterated_examples`, or `inverse_examples` for rule="sub"."""
+    if rule == "sub":
+        return inverse_examples(n, depths, seed, modulus)
+    return iterated_examples(n, depths, seed, rule, modulus)
 
 
 # ---- training -----------------------------------------------------------------------------------------------
@@ -115,11 +141,11 @@ def depth_sweep(model: LoopLM, tokenizer, depths: Sequence[int], n: int = 50, se
     Scored teacher-forced (exact match of every answer token). `step_accuracy` (dim depth) reads a
     depth-d problem after loop d, one step per loop; `best_accuracy` takes the best loop.
     `beyond_horizon` (dim depth, 0/1) marks depths above the supervised depth (default model.cfg.loops);
-    `loops` defaults to 1..max(depths).
+    `loops` defaults to 1..max(depths); rule="sub" is the add rule's inverse (`inverse_examples`).
     """
     from ..evals import loop_sweep
 
-    examples = iterated_examples(n, depths, seed, rule, modulus)
+    examples = task_examples(n, depths, seed, rule, modulus)
     depths = sorted({ex.depth for ex in examples})
     rs = list(range(1, max(depths) + 1)) if loops is None else list(loops)
     K = model.cfg.loops if supervised_depth is None else check_int("supervised_depth", supervised_depth, 1)
@@ -351,7 +377,7 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
                loops: int = 4, adapter_rank: int = 32, steps: int = 800, anneal_steps: int = 200,
                batch_size: int = 32, lr: float = 3e-3, loop1_distill: float = 0.0, n_train: int = 700,
                eval_depths: Sequence[int] | None = None, n_eval: int = 40, n_answers: int = 20, rule: str = "add",
-               modulus: int = 10, seed: int = 0, progress: bool = False) -> xr.Dataset:
+               modulus: int = 10, inverse_steps: int = 0, seed: int = 0, progress: bool = False) -> xr.Dataset:
     """Return the re-entry recipe's results (loop t computes step t), also written to `out_dir/results.nc`.
 
     Phase 1, per-loop supervision (align="step") with a curriculum over depth: `steps` steps split
@@ -364,10 +390,16 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
     examples and total steps; `loop1_check` against the base. attrs["extrapolation_depth"] is the
     first depth >= 2 whose final diagonal accuracy is below 0.7 (0 when none is). Each train_retrofit
     call starts its optimiser afresh (stages and phases continue the weights).
+
+    `inverse_steps` > 0 adds the second task (interference): the installed model then trains the
+    inverse rule (x - c, `inverse_examples`, same curriculum, per-loop) for that many steps, and the
+    forward rule's diagonal is measured again (phase `after_inverse`), with `inverse_step_accuracy`
+    (dim inverse_phase: before, after) and loop1_check after it (`loop1_after_inverse_*`).
     """
     K = check_int("loops", loops, 2)
     check_int("steps", steps, 1)
     check_int("anneal_steps", anneal_steps, 0)
+    check_int("inverse_steps", inverse_steps, 0)
     depths = sorted({check_int("eval_depths", d, 1) for d in (eval_depths or range(1, math.ceil(1.5 * K) + 2))})
     llama, tok = _base_and_tokenizer(base, prelude + core + coda, seed)
     model = retrofit(llama, prelude, core, coda, budget=budget, loops=K, adapter_rank=adapter_rank, seed=seed)
@@ -376,11 +408,15 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
     warm = min(10, max(1, steps // 10))
     common = dict(batch_size=batch_size, lr=lr, seed=seed, progress=progress, loop1_distill=loop1_distill)
     losses, phases, t0 = [], [], time.perf_counter()
-    for i, m in enumerate(stages):
-        n = steps // len(stages) + (1 if i < steps % len(stages) else 0)
-        if n:
-            ex = iterated_examples(n_train, list(range(first, m + 1)), seed + i, rule, modulus)
-            losses.append(train_retrofit(model, tok, ex, n, warmup=warm, **common).loss.values)
+
+    def curriculum(total: int, task: str) -> None:
+        for i, m in enumerate(stages):  # stage m: depths first..m, an even share of the steps
+            n = total // len(stages) + (1 if i < total % len(stages) else 0)
+            if n:
+                ex = task_examples(n_train, list(range(first, m + 1)), seed + i, task, modulus)
+                losses.append(train_retrofit(model, tok, ex, n, warmup=warm, **common).loss.values)
+
+    curriculum(steps, rule)
     sweep = dict(n=n_eval, seed=seed + 1, loops=list(range(1, max(depths) + 1)), supervised_depth=K, rule=rule,
                  modulus=modulus)
     phases.append(depth_sweep(model, tok, depths, **sweep).step_accuracy)
@@ -408,11 +444,26 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
     check = loop1_check(model, llama, tok, seed=seed)
     for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
         ds[f"loop1_{name}"] = check[name]
+    if inverse_steps:
+        inverse = dict(sweep, rule="sub")
+        before = depth_sweep(model, tok, depths, **inverse).step_accuracy
+        curriculum(inverse_steps, "sub")
+        after = depth_sweep(model, tok, depths, **inverse).step_accuracy
+        forward = depth_sweep(model, tok, depths, **sweep).step_accuracy.expand_dims(phase=["after_inverse"])
+        ds = ds.drop_vars(["step_accuracy", "phase"]).assign(step_accuracy=xr.concat([ds.step_accuracy, forward],
+                                                                                  "phase"))
+        ds["inverse_step_accuracy"] = xr.concat([before, after], "inverse_phase").assign_coords(
+            inverse_phase=["before", "after"])
+        ds = ds.drop_vars("train_loss").assign(train_loss=("step", np.concatenate(losses)))
+        again = loop1_check(model, llama, tok, seed=seed)
+        for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
+            ds[f"loop1_after_inverse_{name}"] = again[name]
     acc = ds.step_accuracy.sel(phase="final_only")
     below = [int(d) for d in acc.depth.values if d >= 2 and not acc.sel(depth=d) >= 0.7]
     ds.attrs.update(provenance(model.cfg, seed, base=base, budget=budget, adapter_rank=adapter_rank, steps=steps,
                                anneal_steps=anneal_steps, batch_size=batch_size, lr=lr, loop1_distill=loop1_distill,
                                n_train=n_train, rule=rule, modulus=modulus, supervised_depth=K, first_depth=first,
+                               inverse_steps=inverse_steps,
                                curriculum=",".join(map(str, stages)), train_s=round(train_s, 2),
                                extrapolation_depth=below[0] if below else 0, loop1_verdict=check.attrs["verdict"]))
     save_netcdf(ds, Path(out_dir) / "results.nc")
