@@ -266,43 +266,35 @@ def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     return model.eval()
 
 
-def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_heads: int = 4,
-                 n_kv_heads: int = 2, d_ff: int = 128, std: float = 0.02, seed: int = 0):
-    """Return a seeded random LlamaForCausalLM (tied embeddings, rope_theta 10000) for fast retrofit runs."""
+def _random_hf(family: str, vocab_size: int, d_model: int, layers: int, n_heads: int, n_kv_heads: int, d_ff: int,
+               std: float, seed: int, rms_norm_eps: float):
+    """Return a seeded random model of `family` ("Llama" or "Qwen2"; tied embeddings, rope_theta 10000), arguments checked."""
     transformers = _transformers()
     for name, v in (("vocab_size", vocab_size), ("d_model", d_model), ("layers", layers), ("n_heads", n_heads),
                     ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
         check_int(name, v, 1)
     check_float("std", std, 0, lo_open=True)
-    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff,
-                                   num_hidden_layers=layers, num_attention_heads=n_heads,
-                                   num_key_value_heads=n_kv_heads, max_position_embeddings=256,
-                                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                   initializer_range=std)
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff, num_hidden_layers=layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=256,
+        rope_theta=10000.0, rms_norm_eps=rms_norm_eps, tie_word_embeddings=True, initializer_range=std)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        llama = transformers.LlamaForCausalLM(cfg)
-    return llama.eval()
+        model = getattr(transformers, f"{family}ForCausalLM")(cfg)
+        with torch.no_grad():  # HF initialises biases at zero (Qwen2's q/k/v): draw them, so a lost bias shows
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0.0, std)
+    return model.eval()
+
+
+def random_llama(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_heads: int = 4,
+                 n_kv_heads: int = 2, d_ff: int = 128, std: float = 0.02, seed: int = 0):
+    """Return a seeded random LlamaForCausalLM (tied embeddings, rope_theta 10000) for fast retrofit runs."""
+    return _random_hf("Llama", vocab_size, d_model, layers, n_heads, n_kv_heads, d_ff, std, seed, 1e-5)
 
 
 def random_qwen2(vocab_size: int = 128, d_model: int = 64, layers: int = 4, n_heads: int = 4,
                  n_kv_heads: int = 2, d_ff: int = 128, std: float = 0.02, seed: int = 0):
     """Return a seeded random Qwen2ForCausalLM (tied embeddings, rope_theta 10000, q/k/v biases drawn with `std`)."""
-    transformers = _transformers()
-    for name, v in (("vocab_size", vocab_size), ("d_model", d_model), ("layers", layers), ("n_heads", n_heads),
-                    ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
-        check_int(name, v, 1)
-    check_float("std", std, 0, lo_open=True)
-    cfg = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff,
-                                   num_hidden_layers=layers, num_attention_heads=n_heads,
-                                   num_key_value_heads=n_kv_heads, max_position_embeddings=256,
-                                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                   initializer_range=std)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(cfg)
-        with torch.no_grad():  # HF initialises biases at zero: draw them, so a lost bias shows
-            for name, p in model.named_parameters():
-                if name.endswith("_proj.bias"):
-                    p.normal_(0.0, std)
-    return model.eval()
+    return _random_hf("Qwen2", vocab_size, d_model, layers, n_heads, n_kv_heads, d_ff, std, seed, 1e-6)
