@@ -139,3 +139,39 @@ def test_allocation_summary_measures_each_model_per_sequence_with_a_bootstrap_in
     mean, lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0])
     assert mean == 2.5 and 1.0 <= lo < 2.5 < hi <= 4.0
     assert bootstrap_ci([5.0, 5.0]) == (5.0, 5.0, 5.0)
+
+
+# ---- the committed findings: docs/findings.md quotes what docs/findings/ holds ---------------------------------
+DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_committed_allocation_findings_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import markdown_rows
+
+    text = (DOCS / "findings.md").read_text()
+    s = xr.load_dataset(DOCS / "findings" / "allocation" / "summary.nc", engine="h5netcdf")
+    for row in markdown_rows(s):
+        assert row in text, row
+    # the same 2x4 core without a coda responds more at its terminal stage than with one, beyond the intervals
+    for m in ("1+2x4+1", "0+2x4+2", "2+2x4+2"):
+        assert float(s.sel(model="2+2x4+0").terminal_to_core_low) > float(s.sel(model=m).terminal_to_core_high), m
+    for path in (DOCS / "findings").rglob("results.nc"):  # every committed run opens
+        with xr.open_dataset(path, engine="h5netcdf") as ds:
+            assert ds.data_vars
+
+
+def test_the_conditioning_probe_learned_both_groups_above_chance_as_quoted():
+    from workbench.experiments.findings import fmt, wilson
+
+    text = (DOCS / "findings.md").read_text()
+    lines = (DOCS / "findings" / "conditioning_probe_h200.txt").read_text().splitlines()
+    i = lines.index("A group_accuracy (trained depths)")
+    table = {int(ln.split()[0]): (float(ln.split()[1]), float(ln.split()[2])) for ln in lines[i + 3:i + 7]}
+    chance = {"knowledge": chance_rate("recall", 0, n_entities=20),
+              "reasoning": max(chance_rate("iterated", d, rule="add") for d in range(1, 5))}
+    for r, (know, reason) in table.items():
+        for acc, n in ((know, 64), (reason, 256)):
+            lo, hi = wilson(round(acc * n), n)
+            assert fmt(round(acc * n) / n, lo, hi, 3) in text, (r, acc)
+    k4, r4 = table[4]
+    assert wilson(round(k4 * 64), 64)[0] > chance["knowledge"] and wilson(round(r4 * 256), 256)[0] > chance["reasoning"]

@@ -34,12 +34,22 @@ def bootstrap_ci(values: Any, n_boot: int = 2000, seed: int = 0) -> tuple[float,
     return float(v.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
+def wilson(hits: int, n: int) -> tuple[float, float]:
+    """Return the 95% Wilson score interval (low, high) of a proportion of `hits` out of `n`."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(check_int("hits", hits, 0, n), check_int("n", n, 1)).proportion_ci(0.95, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
 def allocation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, seed: int = 0) -> xr.Dataset:
     """Return per trained model (dim `model`): terminal-to-core ratio and loss at K with 95% bootstrap intervals.
 
     Every done run of the allocation pipeline's `train` step is reopened; `n` validation windows of
     `seq_len` tokens are probed one at a time (`probes.interaction` at the training loop count), and
     the ratio and the next-token loss of each window are the samples the intervals resample.
+    `loss_vs_nonlooped` is the paired per-window difference to the non-looped run (loops 1) when both
+    read the same windows (NaN otherwise).
     """
     from ..probes import interaction
     from .runs import load_run
@@ -57,14 +67,23 @@ def allocation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 
                 losses.append(float(m(x[i:i + 1, :-1], loops=K, targets=x[i:i + 1, 1:]).loss))
         cfg = m.cfg
         rows.append({"model": cfg.notation, "prelude": cfg.prelude, "core": cfg.core, "coda": cfg.coda, "loops": K,
-                     "depth": cfg.prelude + cfg.core * K + cfg.coda, "run": d.name,
+                     "depth": cfg.prelude + cfg.core * K + cfg.coda, "run": d.name, "x": x, "losses": losses,
                      "ttc": bootstrap_ci(ratios, seed=seed), "loss": bootstrap_ci(losses, seed=seed)})
     if not rows:
         raise FileNotFoundError(f"no finished allocation/train runs under {runs_dir}")
     rows.sort(key=lambda r: (r["coda"] == 0, r["core"] * r["loops"] != 12, r["core"], r["prelude"]))
+    # paired with the non-looped model on the same windows (same corpus, seed and tokenizer): the
+    # sequences' own difficulty cancels, which the unpaired intervals above cannot remove
+    base = next((r for r in rows if r["loops"] == 1), None)
+    for r in rows:
+        paired = base is not None and torch.equal(r["x"], base["x"])
+        r["dloss"] = (bootstrap_ci(np.subtract(r["losses"], base["losses"]), seed=seed) if paired
+                      else (float("nan"),) * 3)
     data = {}
     for key, name, long in (("ttc", "terminal_to_core", "terminal-to-core response ratio (SPEC §3)"),
-                            ("loss", "loss_at_K", "validation loss at the training loop count (nats/token)")):
+                            ("loss", "loss_at_K", "validation loss at the training loop count (nats/token)"),
+                            ("dloss", "loss_vs_nonlooped", "loss at K minus the non-looped model's on the same "
+                                                          "sequences (nats/token)")):
         data[name] = ("model", [r[key][0] for r in rows], {"long_name": long})
         data[f"{name}_low"] = ("model", [r[key][1] for r in rows], {"long_name": f"{long}, 95% interval low"})
         data[f"{name}_high"] = ("model", [r[key][2] for r in rows], {"long_name": f"{long}, 95% interval high"})
@@ -102,6 +121,7 @@ def markdown_rows(summary: xr.Dataset) -> list[str]:
         kind = "no coda" if int(s.coda) == 0 else ("non-looped" if int(s.loops) == 1 else "coda")
         rows.append(f"| {str(s.model.values)} | {kind} | {int(s.depth)} | "
                     f"{fmt(float(s.terminal_to_core), float(s.terminal_to_core_low), float(s.terminal_to_core_high))} | "
-                    f"{fmt(float(s.loss_at_K), float(s.loss_at_K_low), float(s.loss_at_K_high), 3)} |")
+                    f"{fmt(float(s.loss_at_K), float(s.loss_at_K_low), float(s.loss_at_K_high), 3)} | "
+                    f"{fmt(float(s.loss_vs_nonlooped), float(s.loss_vs_nonlooped_low), float(s.loss_vs_nonlooped_high), 3)} |")
     return rows
 
