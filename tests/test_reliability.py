@@ -220,6 +220,8 @@ SIGNALLER = textwrap.dedent("""
     import os, signal, sys
     import workbench.train as T
     sig, at = getattr(signal, sys.argv[1]), int(sys.argv[2])
+    # as in a foreground terminal: a test run started in the background (`cmd &`, nohup) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     real = T.Trainer.train_step
     def step(self):
         loss = real(self)
