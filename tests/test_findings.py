@@ -175,3 +175,48 @@ def test_the_conditioning_probe_learned_both_groups_above_chance_as_quoted():
             assert fmt(round(acc * n) / n, lo, hi, 3) in text, (r, acc)
     k4, r4 = table[4]
     assert wilson(round(k4 * 64), 64)[0] > chance["knowledge"] and wilson(round(r4 * 256), 256)[0] > chance["reasoning"]
+
+
+def test_phi_rows_quote_each_groups_phi_with_its_interval_beside_the_papers():
+    from workbench.experiments.findings import phi_rows
+
+    groups = ["hyper=1,truncated=False", "hyper=1,truncated=True", "hyper=2,truncated=False"]
+    est = np.array([[0.5, 1.0], [0.3, 2.0], [0.7, 3.0]])
+    fit = xr.Dataset({"estimate": (("group", "param"), est), "low": (("group", "param"), est - 0.1),
+                      "high": (("group", "param"), est + 0.2)}, coords={"group": groups, "param": ["phi", "alpha"]})
+    assert phi_rows(fit) == ["| φ, full BPTT | 0.46 | 0.50 [0.40, 0.70] |",
+                             "| φ, truncated to the last ceil(r/2) loops | 0.38 | 0.30 [0.20, 0.50] |",
+                             "| φ, hyper-connections (n = 2) | 0.65 | 0.70 [0.60, 0.90] |"]
+
+
+def test_taper_summary_pairs_each_schedule_with_uniform_of_the_same_seed(tmp_path):
+    import json
+
+    import torch
+
+    from workbench.experiments import load_run, train_run
+    from workbench.experiments.findings import taper_rows, taper_summary
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("for i in range(10):\n    print(i * 2)\n" * 400)
+    runs = tmp_path / "runs"
+    for taper in ("cosine", "uniform"):
+        out = runs / "taper" / "train" / taper
+        train_run(out, model=dict(d_model=16, n_heads=2, n_kv_heads=1, prelude=1, core=1, coda=1, loops=2,
+                                  max_seq_len=64, taper=taper),
+                  train=dict(steps=2, batch_size=2, seq_len=32, progress=False), corpus=f"path:{tmp_path / 'text'}",
+                  vocab_size=300, resume=False)
+        (out / "run.json").write_text(json.dumps({"status": "done", "finished": taper, "params": {}}))
+    s = taper_summary(runs, n=3, seq_len=16)
+    assert list(s.taper.values) == ["uniform", "cosine"] and list(s.seeds.values) == [1, 1]
+    per = {}
+    for taper in ("cosine", "uniform"):
+        run = load_run(runs / "taper" / "train" / taper, device="cpu")
+        x = run.val_tokens(3, 16)
+        with torch.no_grad():
+            per[taper] = [float(run.model(x[i:i + 1, :-1], loops=2, targets=x[i:i + 1, 1:]).loss) for i in range(3)]
+    assert float(s.loss.sel(taper="cosine")) == pytest.approx(np.mean(per["cosine"]), rel=1e-6)
+    assert float(s.vs_uniform.sel(taper="cosine")) == pytest.approx(np.mean(per["cosine"]) - np.mean(per["uniform"]),
+                                                                     abs=1e-6)
+    assert float(s.vs_uniform.sel(taper="uniform")) == 0.0
+    assert taper_rows(s)[1].startswith("| cosine | 1 | ")

@@ -125,3 +125,64 @@ def markdown_rows(summary: xr.Dataset) -> list[str]:
                     f"{fmt(float(s.loss_vs_nonlooped), float(s.loss_vs_nonlooped_low), float(s.loss_vs_nonlooped_high), 3)} |")
     return rows
 
+
+# SPEC §4: the recurrence-equivalence exponent the papers report per variant
+PAPER_PHI = {"hyper=1,truncated=False": ("full BPTT", 0.46),
+             "hyper=1,truncated=True": ("truncated to the last ceil(r/2) loops", 0.38),
+             "hyper=2,truncated=False": ("hyper-connections (n = 2)", 0.65)}
+
+
+def phi_rows(fit: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's row starts for a phi fit's results.nc: `| φ, variant | paper | ours [95% interval] |`."""
+    rows = []
+    for g in fit.group.values:
+        label, paper = PAPER_PHI.get(str(g), (str(g), float("nan")))
+        e = fit.sel(group=g, param="phi")
+        rows.append(f"| φ, {label} | {paper:.2f} | {fmt(float(e.estimate), float(e.low), float(e.high))} |")
+    return rows
+
+
+def taper_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, seed: int = 0) -> xr.Dataset:
+    """Return per MLP width schedule (dim `taper`): loss at K and its paired difference to uniform, 95% intervals.
+
+    Every done run of the taper pipeline's `train` step is reopened and scored on `n` validation
+    windows of `seq_len` tokens; runs of one seed share the tokenizer and so the windows, which makes
+    the difference to the uniform run of the same seed a paired one. Intervals bootstrap the windows
+    pooled over seeds.
+    """
+    from .runs import load_run
+
+    n = check_int("n", n, 2)
+    per: dict[tuple[str, int], tuple[torch.Tensor, list[float]]] = {}
+    for d in find_runs("taper", "train", runs_dir):
+        run = load_run(d, device="cpu")
+        x = run.val_tokens(n, seq_len, seed=seed)
+        K = run.model.cfg.loops
+        with torch.no_grad():
+            losses = [float(run.model(x[i:i + 1, :-1], loops=K, targets=x[i:i + 1, 1:]).loss) for i in range(n)]
+        per[(run.model.cfg.taper, int(run.experiment.get("seed", 0)))] = (x, losses)
+    if not per:
+        raise FileNotFoundError(f"no finished taper/train runs under {runs_dir}")
+    tapers = sorted({t for t, _ in per}, key=lambda t: (t != "uniform", t))
+    data: dict[str, list[float]] = {k: [] for k in ("loss", "loss_low", "loss_high", "vs_uniform", "vs_uniform_low",
+                                                    "vs_uniform_high", "seeds")}
+    for t in tapers:
+        seeds = sorted(s_ for tt, s_ in per if tt == t)
+        mean, lo, hi = bootstrap_ci([v for s_ in seeds for v in per[(t, s_)][1]], seed=seed)
+        diffs = [a - b for s_ in seeds if ("uniform", s_) in per and torch.equal(per[(t, s_)][0], per[("uniform", s_)][0])
+                 for a, b in zip(per[(t, s_)][1], per[("uniform", s_)][1])]
+        dm, dlo, dhi = bootstrap_ci(diffs, seed=seed)
+        for k, v in zip(data, (mean, lo, hi, dm, dlo, dhi, len(seeds))):
+            data[k].append(v)
+    return xr.Dataset({k: ("taper", v) for k, v in data.items()}, coords={"taper": tapers},
+                      attrs={"sequences": n, "seq_len": seq_len, "seed": seed,
+                             "interval": "95% percentile bootstrap over windows pooled over seeds; vs_uniform paired "
+                                         "per window within a seed"})
+
+
+def taper_rows(summary: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's table rows for a taper summary: schedule, seeds, loss at K, difference to uniform."""
+    return [f"| {t} | {int(s.seeds)} | {fmt(float(s.loss), float(s.loss_low), float(s.loss_high), 3)} | "
+            f"{fmt(float(s.vs_uniform), float(s.vs_uniform_low), float(s.vs_uniform_high), 3)} |"
+            for t, s in ((str(t), summary.sel(taper=t)) for t in summary.taper.values)]
+
