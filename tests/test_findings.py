@@ -220,3 +220,14 @@ def test_taper_summary_pairs_each_schedule_with_uniform_of_the_same_seed(tmp_pat
                                                                      abs=1e-6)
     assert float(s.vs_uniform.sel(taper="uniform")) == 0.0
     assert taper_rows(s)[1].startswith("| cosine | 1 | ")
+
+
+def test_committed_phi_fit_holds_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import phi_rows
+
+    fit, = (DOCS / "findings" / "phi_sweep" / "fit").glob("*/results.nc")
+    ds = xr.load_dataset(fit, engine="h5netcdf")
+    text = (DOCS / "findings.md").read_text()
+    for row in phi_rows(ds):
+        assert row in text, row
+    assert len(list((DOCS / "findings" / "phi_sweep").glob("train*/*/results.nc"))) == int(ds.attrs["n_runs"])

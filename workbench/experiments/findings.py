@@ -94,14 +94,21 @@ def allocation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 
                                                    "interval": "95% percentile bootstrap over sequences"})
 
 
-def collect(pipeline: str, runs_dir: str | os.PathLike, dest: str | os.PathLike) -> list[Path]:
-    """Return the folders written: each done run's results.nc, figures/*.json and run.json copied to dest/<step>/<key>/."""
+def collect(pipeline: str, runs_dir: str | os.PathLike, dest: str | os.PathLike,
+            figures: bool | tuple[str, ...] = True) -> list[Path]:
+    """Return the folders written: each done run's results.nc, run.json and figures/*.json copied to dest/<step>/<key>/.
+
+    `figures`: True copies every run's figure JSON, False none, a tuple of step names only those steps'
+    (a 100-run sweep's training figures are megabytes; its fit's are what a reader opens).
+    """
     src, out, written = Path(runs_dir) / pipeline, Path(dest), []
     for step in sorted(p.name for p in src.iterdir() if p.is_dir()) if src.is_dir() else []:
+        with_figures = figures is True or (not isinstance(figures, bool) and step in figures)
         for d in find_runs(pipeline, step, runs_dir):
             target = out / step / d.name
-            (target / "figures").mkdir(parents=True, exist_ok=True)
-            for f in ["results.nc", "run.json", *(f"figures/{p.name}" for p in (d / "figures").glob("*.json"))]:
+            figs = [f"figures/{p.name}" for p in (d / "figures").glob("*.json")] if with_figures else []
+            (target / "figures" if figs else target).mkdir(parents=True, exist_ok=True)
+            for f in ["results.nc", "run.json", *figs]:
                 if (d / f).exists():
                     shutil.copy2(d / f, target / f)
             written.append(target)
