@@ -3,9 +3,11 @@
 `allocation_summary(runs_dir)` reads the allocation pipeline's trained models and measures, per model,
 the terminal-to-core response ratio (SPEC §3) and the validation loss at its training loop count, each
 on `n` held-out sequences separately, so the 95% interval is a percentile bootstrap over sequences.
-`collect(...)` copies a pipeline's compact results (each done run's results.nc, figure JSON and
-run.json) under a folder such as docs/findings/<pipeline>/; `markdown_rows(summary)` formats the
-numbers docs/findings.md quotes, so a test can check the document against the committed data.
+`taper_summary` does the same for the width schedules, paired with uniform per window; `phi_rows` reads
+a phi fit; `wilson` is the interval of an accuracy. `collect(...)` copies a pipeline's compact results
+(each done run's results.nc, run.json and figure JSON) under a folder such as docs/findings/<pipeline>/;
+`markdown_rows`, `taper_rows` and `phi_rows` format the numbers docs/findings.md quotes, so a test can
+check the document against the committed data.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ..io import find_runs
 
 def bootstrap_ci(values: Any, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Return (mean, low, high): the mean of `values` and its 95% percentile-bootstrap interval."""
+    # by hand, not scipy.stats.bootstrap: that returns NaN for a constant sample, which a model's paired
+    # difference with itself (the reference row of every table) is
     v = np.asarray(values, dtype=np.float64)
     v = v[np.isfinite(v)]
     if v.size == 0:
