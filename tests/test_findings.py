@@ -231,3 +231,13 @@ def test_committed_phi_fit_holds_the_numbers_the_document_quotes():
     for row in phi_rows(ds):
         assert row in text, row
     assert len(list((DOCS / "findings" / "phi_sweep").glob("train*/*/results.nc"))) == int(ds.attrs["n_runs"])
+
+
+def test_committed_taper_findings_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import taper_rows
+
+    s = xr.load_dataset(DOCS / "findings" / "taper" / "summary.nc", engine="h5netcdf")
+    text = (DOCS / "findings.md").read_text()
+    for row in taper_rows(s):
+        assert row in text, row
+    assert set(s.taper.values) == {"uniform", "cosine", "reverse"} and (s.seeds == 3).all()
