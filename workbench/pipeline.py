@@ -485,6 +485,16 @@ def _kernel_manager_class():
     return RunKernelManager
 
 
+@contextlib.contextmanager
+def _claimed(job: RunJob) -> Iterator[tuple[Path, Path, dict | None]]:
+    """Yield (final folder, working folder, the skipped record if the run is already done, else None) under its lock."""
+    final = Path(job.dir)
+    with _locked(final.parent / f".{final.name}.lock"):
+        rec = read_record(final)
+        done = {**rec, "skipped": True} if rec is not None and rec.get("status") == "done" else None
+        yield final, final.parent / f".{final.name}.partial", done
+
+
 def execute_run(job: RunJob) -> dict:
     """Return the run's record after executing its notebook (or the existing record if it already completed).
 
@@ -493,12 +503,9 @@ def execute_run(job: RunJob) -> dict:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    final = Path(job.dir)
-    with _locked(final.parent / f".{final.name}.lock"):
-        rec = read_record(final)
-        if rec is not None and rec.get("status") == "done":
-            return {**rec, "skipped": True}
-        work = final.parent / f".{final.name}.partial"
+    with _claimed(job) as (final, work, done):
+        if done is not None:
+            return done
         if final.exists():  # a failed attempt: restart in its folder so checkpoints are reused
             if work.exists():
                 shutil.rmtree(work)
@@ -550,12 +557,9 @@ def record_failed(job: RunJob, error: str) -> dict:
     notebook) and renames its working folder into place with run.json saying why, so `status` shows it
     failed and the next `workbench run` restarts it there. A run that completed meanwhile is left alone.
     """
-    final = Path(job.dir)
-    with _locked(final.parent / f".{final.name}.lock"):
-        rec = read_record(final)
-        if rec is not None and rec.get("status") == "done":
-            return {**rec, "skipped": True}
-        work = final.parent / f".{final.name}.partial"
+    with _claimed(job) as (final, work, done):
+        if done is not None:
+            return done
         if final.exists():
             if work.exists():  # an older failed attempt beside the newer partial one: the newer one stays
                 shutil.rmtree(final)

@@ -46,6 +46,17 @@ def wilson(hits: int, n: int) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+def _windows(run_dir: Path, n: int, seq_len: int, seed: int):
+    """Return (run, windows [n, seq_len + 1], next-token loss of each window at the training loop count)."""
+    from .runs import load_run
+
+    run = load_run(run_dir, device="cpu")
+    x, K = run.val_tokens(n, seq_len, seed=seed), run.model.cfg.loops
+    with torch.no_grad():
+        losses = [float(run.model(x[i:i + 1, :-1], loops=K, targets=x[i:i + 1, 1:]).loss) for i in range(n)]
+    return run, x, losses
+
+
 def allocation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, seed: int = 0) -> xr.Dataset:
     """Return per trained model (dim `model`): terminal-to-core ratio and loss at K with 95% bootstrap intervals.
 
@@ -56,19 +67,13 @@ def allocation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 
     read the same windows (NaN otherwise).
     """
     from ..probes import interaction
-    from .runs import load_run
 
     n = check_int("n", n, 2)
     rows = []
     for d in find_runs("allocation", "train", runs_dir):
-        run = load_run(d, device="cpu")
+        run, x, losses = _windows(d, n, seq_len, seed)
         m, K = run.model, run.model.cfg.loops
-        x = run.val_tokens(n, seq_len, seed=seed)
-        ratios, losses = [], []
-        with torch.no_grad():
-            for i in range(n):
-                ratios.append(float(interaction(m, x[i:i + 1, :-1], loops=K).terminal_to_core))
-                losses.append(float(m(x[i:i + 1, :-1], loops=K, targets=x[i:i + 1, 1:]).loss))
+        ratios = [float(interaction(m, x[i:i + 1, :-1], loops=K).terminal_to_core) for i in range(n)]
         cfg = m.cfg
         rows.append({"model": cfg.notation, "prelude": cfg.prelude, "core": cfg.core, "coda": cfg.coda, "loops": K,
                      "depth": cfg.prelude + cfg.core * K + cfg.coda, "run": d.name, "x": x, "losses": losses,
@@ -161,16 +166,10 @@ def taper_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, s
     the difference to the uniform run of the same seed a paired one. Intervals bootstrap the windows
     pooled over seeds.
     """
-    from .runs import load_run
-
     n = check_int("n", n, 2)
     per: dict[tuple[str, int], tuple[torch.Tensor, list[float]]] = {}
     for d in find_runs("taper", "train", runs_dir):
-        run = load_run(d, device="cpu")
-        x = run.val_tokens(n, seq_len, seed=seed)
-        K = run.model.cfg.loops
-        with torch.no_grad():
-            losses = [float(run.model(x[i:i + 1, :-1], loops=K, targets=x[i:i + 1, 1:]).loss) for i in range(n)]
+        run, x, losses = _windows(d, n, seq_len, seed)
         per[(run.model.cfg.taper, int(run.experiment.get("seed", 0)))] = (x, losses)
     if not per:
         raise FileNotFoundError(f"no finished taper/train runs under {runs_dir}")

@@ -108,7 +108,8 @@ def task_results(ts: xr.Dataset, tasks: Sequence[str], depths: Sequence[int] | N
         for g in groups:
             sel = (ts.task_group == g) & mask
             n = float(ts["count"].where(sel).sum())
-            vals.append(hits.where(sel).sum(("task", "depth")) / n if n else hits.isel(task=0, depth=0) * np.nan)
+            total = hits.where(sel).sum(("task", "depth"))
+            vals.append(total / n if n else xr.full_like(total, np.nan))  # a group with no such examples
         out[name] = xr.concat(vals, dim="group").assign_coords(group=groups).transpose("loop", "group")
     return out
 
