@@ -610,15 +610,16 @@ def machine_cores() -> int:
 def _dask_execute(job: RunJob, shares: dict[str, int], attempt: str, threads: int = 0) -> dict:
     """Return execute_run(job) on a Dask worker, its kernel given this worker's share of the host's cores.
 
-    `shares` maps worker addresses to torch threads per run (a worker that joined later takes its
-    host's cores over its own task slots); `threads` > 0 overrides it. A run that this same attempt
+    `shares` maps hosts to torch threads per run, so a worker the nanny restarted (a new address)
+    still gets its host's share; a worker on a host that joined later takes that host's cores over its
+    own task slots; `threads` > 0 overrides it. A run that this same attempt
     already started on a worker that then died (the scheduler hands its task to another worker) is
     recorded failed, not rerun: what killed the worker (memory, a crash) would likely kill the next too.
     """
     from distributed import get_worker
 
     worker = get_worker()
-    share = shares.get(worker.address) or max(1, machine_cores() // max(1, worker.state.nthreads))
+    share = shares.get(worker.host) or max(1, machine_cores() // max(1, worker.state.nthreads))
     job.threads = threads or share
     final = Path(job.dir)
     marker = final.parent / f".{final.name}.attempt"
@@ -668,7 +669,7 @@ class DaskExecutor:
         self.shares = self._shares()
 
     def _shares(self) -> dict[str, int]:
-        """Return {worker address: torch threads per run}: its host's cores over the task slots on that host."""
+        """Return {host: torch threads per run}: the host's cores over the task slots of its workers."""
         if self.cluster is not None:
             self.client.wait_for_workers(len(self.cluster.workers), timeout="60s")
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -676,7 +677,7 @@ class DaskExecutor:
         slots: dict[str, int] = {}
         for w in workers.values():
             slots[w["host"]] = slots.get(w["host"], 0) + int(w["nthreads"])
-        return {addr: max(1, cores.get(addr, 1) // max(1, slots[w["host"]])) for addr, w in workers.items()}
+        return {w["host"]: max(1, cores.get(addr, 1) // max(1, slots[w["host"]])) for addr, w in workers.items()}
 
     def map(self, fn: Callable[[RunJob], dict], items: list[RunJob]) -> Iterator[dict]:
         """Return an iterator over the runs' records in completion order (a run whose worker died: failed)."""
