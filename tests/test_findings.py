@@ -241,3 +241,53 @@ def test_committed_taper_findings_hold_the_numbers_the_document_quotes():
     for row in taper_rows(s):
         assert row in text, row
     assert set(s.taper.values) == {"uniform", "cosine", "reverse"} and (s.seeds == 3).all()
+
+
+def test_conditioning_summary_pools_trained_and_beyond_depths_with_wilson_intervals(tmp_path):
+    import json
+    import math
+
+    from workbench.experiments.findings import conditioning_rows, conditioning_summary, variant_name
+
+    rng = np.random.default_rng(4)
+    tasks, depths, loops = ["iterated", "recall"], list(range(9)), [1, 2, 4, 8]
+    truth = {}
+    for key, cfg in {"a": {"inject": "none", "loops": 4},
+                     "b": {"inject": "channel", "history": 2, "timestep": "loop_gate", "loops": 4}}.items():
+        count = np.zeros((2, 9))
+        count[0, 1:] = rng.integers(1, 9, 8)  # iterated: depths 1-8 (trained 1-4)
+        count[1, 0] = 16  # recall: depth 0
+        hits = np.where(count > 0, rng.integers(0, 17, (4, 2, 9)), 0).clip(max=count)
+        acc = np.where(count > 0, hits / np.maximum(count, 1), np.nan)
+        ts = xr.Dataset({"accuracy": (("loop", "task", "depth"), acc), "count": (("task", "depth"), count)},
+                        coords={"loop": loops, "task": tasks, "depth": depths,
+                                "task_group": ("task", ["reasoning", "knowledge"])})
+        ds = task_results(ts, tasks, None, {"iterated": {"rule": "add"}})
+        ds["loss"] = ("loop", rng.random(4) + 2)
+        ds.attrs["config_json"] = json.dumps(cfg)
+        d = tmp_path / "conditioning" / "sweep" / key
+        d.mkdir(parents=True)
+        ds.to_netcdf(d / "results.nc", engine="h5netcdf")
+        (d / "run.json").write_text(json.dumps({"status": "done", "finished": key}))
+        truth[variant_name(cfg)] = (hits, count, ds)
+    s = conditioning_summary(tmp_path)
+    assert list(s.variant.values) == ["plain", "I+H(w=2)+LG"]
+    z = 1.959963984540054
+    for v, (hits, count, ds) in truth.items():
+        for li, r in enumerate(loops):
+            for g, ti, cols in (("reasoning", 0, range(1, 5)), ("knowledge", 1, [0])):
+                h, n = sum(hits[li, ti, c] for c in cols), sum(count[ti, c] for c in cols)
+                p = h / n  # Wilson's score interval, written out
+                centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+                got = s.sel(variant=v, loop=r, group=g)
+                assert float(got.accuracy) == pytest.approx(p) and float(got.n) == n
+                assert float(got.low) == pytest.approx(centre - half, abs=1e-9)
+                assert float(got.high) == pytest.approx(centre + half, abs=1e-9)
+                chance = sum(float(ds.task_chance[ti, c]) * count[ti, c] for c in cols) / n
+                assert float(got.chance) == pytest.approx(chance)
+            h5 = sum(hits[li, 0, c] for c in range(5, 9)) / sum(count[0, c] for c in range(5, 9))
+            assert float(s.accuracy_beyond.sel(variant=v, loop=r, group="reasoning")) == pytest.approx(h5)
+            assert np.isnan(float(s.accuracy_beyond.sel(variant=v, loop=r, group="knowledge")))
+    rows = conditioning_rows(s, (2, 4))
+    assert len(rows) == 4 and rows[3].startswith("| I+H(w=2)+LG | 4 | ")
+    assert f"{float(s.loss.sel(variant='plain', loop=2)):.3f} |" in rows[0]

@@ -196,3 +196,85 @@ def taper_rows(summary: xr.Dataset) -> list[str]:
             f"{fmt(float(s.vs_uniform), float(s.vs_uniform_low), float(s.vs_uniform_high), 3)} |"
             for t, s in ((str(t), summary.sel(taper=t)) for t in summary.taper.values)]
 
+
+
+def variant_name(cfg: dict) -> str:
+    """Return the recurrence-effectiveness paper's name of a model's loop conditioning: plain, I, H(w=2), LG, I+H(w=2)+LG, ..."""
+    parts = []
+    if cfg.get("inject", "none") != "none":
+        parts.append("I" if cfg["inject"] == "channel" else f"I({cfg['inject']})")
+    if cfg.get("history", 0):
+        parts.append(f"H(w={cfg['history']})")
+    if cfg.get("timestep", "none") != "none":
+        parts.append({"loop_gate": "LG"}.get(cfg["timestep"], cfg["timestep"]))
+    return "+".join(parts) or "plain"
+
+
+def conditioning_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
+    """Return per conditioning variant, loop count and task group: exact-match accuracy, its Wilson 95% interval, n and chance.
+
+    Reads every done `sweep` run of the conditioning pipeline (loop_sweep's task results). Over dims
+    (`variant`, `loop`, `group`), `accuracy`/`low`/`high`/`n`/`chance` pool the examples at the depths
+    each task was trained at; the `*_beyond` variables the examples past them (reasoning only; NaN for
+    knowledge). `chance` is the count-weighted majority-class rate of the same examples. `loss` is the
+    validation loss per loop count. The intervals are per variant; examples are the same for every
+    variant of one seed, but per-example outcomes are not kept, so comparisons between variants are
+    unpaired.
+    """
+    import json
+
+    per = {}
+    for d in find_runs("conditioning", "sweep", runs_dir):
+        ds = xr.load_dataset(d / "results.nc", engine="h5netcdf")
+        cfg = json.loads(ds.attrs["config_json"])
+        per[variant_name(cfg)] = (ds, cfg)
+    if not per:
+        raise FileNotFoundError(f"no finished conditioning/sweep runs under {runs_dir}")
+    order = ["plain", "I", "H(w=1)", "H(w=2)", "H(w=4)", "LG", "H(w=2)+LG", "I+H(w=2)", "I+LG", "I+H(w=2)+LG"]
+    variants = sorted(per, key=lambda v: (order.index(v) if v in order else len(order), v))
+    loops = sorted(set.intersection(*(set(ds.loop.values.tolist()) for ds, _ in per.values())))
+    groups = ["knowledge", "reasoning"]
+    shape = (len(variants), len(loops), len(groups))
+    out = {f"{v}{s}": np.full(shape, np.nan) for v in ("accuracy", "low", "high", "n", "chance") for s in ("", "_beyond")}
+    loss = np.full(shape[:2], np.nan)
+    for vi, v in enumerate(variants):
+        ds, _ = per[v]
+        loss[vi] = ds.loss.sel(loop=loops).values
+        for gi, g in enumerate(groups):
+            for suffix, trained in (("", True), ("_beyond", False)):
+                cells = (ds.task_group == g) & (ds.task_trained == trained) & (ds.task_count > 0)
+                count = ds.task_count.where(cells, 0)
+                n = int(count.sum())
+                if n == 0:
+                    continue
+                out[f"n{suffix}"][vi, :, gi] = n
+                out[f"chance{suffix}"][vi, :, gi] = float((ds.task_chance.fillna(0) * count).sum() / n)
+                for li, loop in enumerate(loops):
+                    # accuracy x count is a whole number of examples (rounded against float error)
+                    hits = int(round(float((ds.task_accuracy.sel(loop=loop).fillna(0) * count).sum())))
+                    out[f"accuracy{suffix}"][vi, li, gi] = hits / n
+                    out[f"low{suffix}"][vi, li, gi], out[f"high{suffix}"][vi, li, gi] = wilson(hits, n)
+    K = {int(per[v][1]["loops"]) for v in variants}
+    data = {k: (("variant", "loop", "group"), a) for k, a in out.items()}
+    data["loss"] = (("variant", "loop"), loss, {"long_name": "validation loss (nats/token)"})
+    return xr.Dataset(data, coords={"variant": variants, "loop": loops, "group": groups},
+                      attrs={"training_loops": ",".join(map(str, sorted(K))),
+                             "interval": "95% Wilson score interval over examples",
+                             "chance": "count-weighted majority-class rate of the same examples"})
+
+
+def conditioning_rows(summary: xr.Dataset, loops: tuple[int, ...]) -> list[str]:
+    """Return docs/findings.md's table rows for a conditioning summary: one per variant and loop count in `loops`.
+
+    Columns: variant, r, knowledge, reasoning at the trained depths, reasoning past them (accuracy
+    [Wilson 95%]), loss at r (nats/token).
+    """
+    rows = []
+    for v in summary.variant.values:
+        for r in loops:
+            s = summary.sel(variant=v, loop=r)
+            cells = [fmt(float(s[f"accuracy{x}"].sel(group=g)), float(s[f"low{x}"].sel(group=g)),
+                         float(s[f"high{x}"].sel(group=g)))
+                     for g, x in (("knowledge", ""), ("reasoning", ""), ("reasoning", "_beyond"))]
+            rows.append(f"| {v} | {r} | " + " | ".join(cells) + f" | {float(s.loss):.3f} |")
+    return rows
