@@ -59,8 +59,9 @@ def finetune_config(run, steps: int, backward_loops: int = 0, lr: float | None =
     if lr is None:
         lr = tc.lr if tc.schedule == "constant" else tc.lr * tc.min_lr_ratio
     lr = check_float("lr", lr, 0, lo_open=True, allowed="must be None (the run's final lr) or a finite number > 0")
-    warmup = min(10, steps // 10) if warmup is None else check_int("warmup", warmup, 0, steps,
-                                                                    allowed=f"must be None or an integer in 0..steps={steps}")
+    if warmup is None:
+        warmup = min(10, steps // 10)
+    warmup = check_int("warmup", warmup, 0, steps, allowed=f"must be None or an integer in 0..steps={steps}")
     device = str(next(run.model.parameters()).device)
     return dataclasses.replace(tc, steps=steps, tokens=None, flops=None, chinchilla=False,
                                backward_loops=backward_loops or None, lr=lr, warmup=warmup, schedule="constant",
@@ -110,6 +111,8 @@ def finetune_lost_gradient(run, loops: Sequence[int] = (2, 4, 8), steps: int = 0
     else k; `lr` None = the run's final lr) through the library's Trainer; `run.model` is unchanged.
     Every argument is checked before any work.
     """
+    from tqdm.auto import tqdm
+
     from ..probes import lost_gradient
     from ..train import Trainer
 
@@ -134,8 +137,6 @@ def finetune_lost_gradient(run, loops: Sequence[int] = (2, 4, 8), steps: int = 0
         out[v] = np.full(shape, np.nan)
     train_loss = np.full(len(measured), np.nan)
     trainer = Trainer(model.cfg, tc, np.asarray(run.data().train), model=model) if tc is not None else None
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=len(measured) * len(rs) * n_batches, desc="lost gradient", disable=not progress)
     for i, s in enumerate(measured):
         if trainer is not None and s > trainer.step:
@@ -177,8 +178,9 @@ def finetune_lost_gradient(run, loops: Sequence[int] = (2, 4, 8), steps: int = 0
               finetune_seed=tc.seed if tc else -1, finetune_bf16=str(trainer.bf16) if trainer else "",
               finetune_train_loops=int(tc.loops or run.model.cfg.loops) if tc else run.model.cfg.loops)
     return xr.Dataset(data, coords=coords, attrs=provenance(
-        run.model.cfg, seed, kind="finetune_lost_gradient", checkpoint=str(run.path), training_loops=run.model.cfg.loops,
-        n_sequences=n_sequences, seq_len=int(batches[0].shape[1] - 1), params=params, **ft))
+        run.model.cfg, seed, kind="finetune_lost_gradient", checkpoint=str(run.path),
+        training_loops=run.model.cfg.loops, n_sequences=n_sequences, seq_len=int(batches[0].shape[1] - 1),
+        params=params, **ft))
 
 
 def check_lost_gradient_notebook(p: dict) -> None:
