@@ -143,6 +143,12 @@ def datasets(model):
     lost.attrs["rho"] = 1.4
     lost["rho_k"] = ("k", 1.4 ** lost.k.values.astype(float))
     out["lost_hard"] = lost
+    # finetune_lost_gradient's layout: lost(ceil(r/2)) per fine-tune step, loop count and batch
+    rng = np.random.default_rng(0)
+    half = 0.3 + 0.1 * np.arange(3)[None, :, None] + 0.02 * rng.standard_normal((4, 3, 3))
+    out["lost_finetune"] = xr.Dataset({"lost_half": (("step", "loops", "batch"), half)},
+                                      coords={"step": [0, 10, 20, 30], "loops": [2, 4, 8], "batch": [0, 1, 2]},
+                                      attrs={"finetune_steps": 30, "finetune_backward_loops": 2})
     steps = np.arange(1, 301)
     # an exit sweep (experiments.generate.exit_sweep's layout): fixed r and a KL threshold rule
     rules = ["fixed"] * 4 + ["kl"] * 3
@@ -177,6 +183,7 @@ def built(d) -> dict[str, go.Figure]:
         "lost_gradient": figures.lost_gradient_curves(d["lost"]),
         "lost_gradient_hard": figures.lost_gradient_curves(d["lost_hard"]),
         "adjoint_norms": figures.adjoint_norms(d["lost"]),
+        "lost_gradient_finetune": figures.lost_gradient_finetune(d["lost_finetune"]),
         "fit_against_data": figures.fit_against_data([3.1, 3.4, 3.9], [3.0, 3.5, 3.8], ["a", "b", "c"]),
         "bars": figures.bars(["full", "truncated"], [0.46, 0.38], "phi", "φ (no unit)", low=[0.4, 0.3], high=[0.5, 0.45]),
         "curves": figures.curves([0, 1, 2, 3], {"uniform": [341] * 4, "cosine": [512, 400, 280, 170]},
@@ -207,6 +214,17 @@ def test_every_builder_keeps_one_scale_per_axis_titles_and_whole_ticks(datasets)
     # each one survives the JSON round trip the report and notebooks use
     for name, f in figs.items():
         assert go.Figure(json.loads(f.to_json())).data, name
+
+
+def test_lost_gradient_finetune_draws_one_line_per_r_with_its_batch_interval(datasets):
+    ds = datasets["lost_finetune"]
+    fig = figures.lost_gradient_finetune(ds)
+    assert [t.name.split(",")[0] for t in fig.data] == ["r = 2", "r = 4", "r = 8"]
+    assert "truncated to k = 2" in fig.layout.title.text
+    for t, r in zip(fig.data, [2, 4, 8]):
+        y = ds.lost_half.sel(loops=r).values
+        np.testing.assert_allclose(t.y, y.mean(1))
+        np.testing.assert_allclose(t.error_y.array, y.std(1, ddof=1) / np.sqrt(3))
 
 
 def test_geometry_panels_and_the_interaction_colour_scale(datasets):

@@ -49,6 +49,7 @@ QUANTITY = {
     "lost": "lost(k) = |g − G_k| / |g| (fraction)",
     "one_minus_cos": "1 − cos(g, G_k) (fraction)",
     "adjoint_norm": "|∂L/∂h_t| (log scale)",
+    "lost_half": "lost(⌈r/2⌉) = |g − G_k| / |g| at k = ⌈r/2⌉ (fraction)",
 }
 INTEGER_DIMS = ("loop", "lag", "k", "depth", "layer", "step", "eval_step", "state", "r")  # counted things
 
@@ -305,6 +306,31 @@ def adjoint_norms(ds, title: str = "Adjoint norm across loops") -> go.Figure:
     fig.add_trace(_line(ds.loop.values, ds.adjoint_norm.values, "|∂L/∂h_t|", q))
     fig.update_yaxes(type="log")
     fig.update_xaxes(**integer_ticks(ds.loop.values))
+    return fig
+
+
+def lost_gradient_finetune(ds, title: str = "Gradient lost by truncating to k = ⌈r/2⌉, over a fine-tune"
+                           ) -> go.Figure:
+    """Return lost(⌈r/2⌉) against the fine-tune step, one line per loop count r: the batch mean ± standard error.
+
+    Reads `experiments.finetune_lost_gradient`'s Dataset (`lost_half` over step, loops, batch); step 0
+    is the trained model. The title names the fine-tune's backprop depth when the attrs record it.
+    """
+    q = QUANTITY["lost_half"]
+    k_ft = ds.attrs.get("finetune_backward_loops")
+    if k_ft is not None and int(ds.attrs.get("finetune_steps", 0)) > 0:
+        title += f" ({'full BPTT' if int(k_ft) == 0 else f'truncated to k = {int(k_ft)}'})"
+    fig = _fig(title, "fine-tune step (optimiser steps; 0 = the trained model)", q)
+    n = ds.sizes["batch"]
+    for r in ds.loops.values:
+        y = ds.lost_half.sel(loops=r)
+        mean = y.mean("batch").values
+        se = (y.std("batch", ddof=1).values / math.sqrt(n)) if n > 1 else None
+        over = f" (mean ± s.e. over {n} batches)" if n > 1 else ""
+        fig.add_trace(_line(ds.step.values, mean, f"r = {int(r)}, k = {math.ceil(int(r) / 2)}{over}", q,
+                            error_y=None if se is None else dict(type="data", array=se, visible=True)))
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_xaxes(**integer_ticks(ds.step.values))
     return fig
 
 
