@@ -125,3 +125,20 @@ def test_bad_input_is_refused_before_any_work(run, bad, field):
 def test_a_run_that_is_not_a_run_is_refused():
     with pytest.raises(ValueError, match="^run="):
         finetune_lost_gradient(object(), loops=[2])
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"loop_counts": [2, 0]}, r"loop_counts\[1\]"), ({"loop_counts": [2, 2]}, "loop_counts"),
+    ({"finetune_steps": -1}, "finetune_steps"), ({"measure_every": 0}, "measure_every"),
+    ({"finetune_lr": -1.0}, "finetune_lr"), ({"finetune_backward_loops": -2}, "finetune_backward_loops"),
+    ({"n_batches": 0}, "n_batches")])
+def test_the_notebooks_parameter_check_names_the_bad_one(bad, field):
+    """The pipeline runs the check the notebook names before any run (laptop and paper profiles included)."""
+    from pathlib import Path
+
+    from workbench import pipeline
+
+    check = pipeline._declared_check(Path(__file__).resolve().parent.parent / "notebooks" / "lost_gradient.ipynb")
+    check({"loop_counts": [2, 4, 8], "finetune_steps": 100})  # the pipeline's values pass
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        check({"loop_counts": [2, 4, 8], "finetune_steps": 100, **bad})

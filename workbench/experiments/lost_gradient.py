@@ -31,13 +31,13 @@ from ..io import provenance, read_run_config
 FINETUNE_SEED_OFFSET = 1  # fine-tune batches use the run's seed + 1 + seed: not the run's first batches replayed
 
 
-def _loop_counts(value: Any) -> list[int]:
-    """Return the loop counts as a list of distinct integers >= 1, else fail naming the element."""
+def _loop_counts(value: Any, field: str = "loops") -> list[int]:
+    """Return the loop counts as a list of distinct integers >= 1, else fail naming the field or element."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
-        fail("loops", value, "must be a non-empty list of distinct integers >= 1 (loop counts r)")
-    out = [check_int(f"loops[{i}]", v, 1) for i, v in enumerate(value)]
+        fail(field, value, "must be a non-empty list of distinct integers >= 1 (loop counts r)")
+    out = [check_int(f"{field}[{i}]", v, 1) for i, v in enumerate(value)]
     if len(set(out)) != len(out):
-        fail("loops", value, "must not repeat a loop count")
+        fail(field, value, "must not repeat a loop count")
     return out
 
 
@@ -187,7 +187,7 @@ def check_lost_gradient_notebook(p: dict) -> None:
     """Return None when the lost_gradient notebook's parameters are valid, else raise ValueError naming the bad one."""
     check_int("loops", p.get("loops", 0), 0, allowed="must be 0 (the training loop count K) or an integer >= 1")
     if p.get("loop_counts"):
-        _loop_counts(p["loop_counts"])
+        _loop_counts(p["loop_counts"], "loop_counts")
     check_int("finetune_steps", p.get("finetune_steps", 0), 0)
     check_int("measure_every", p.get("measure_every", 10), 1)
     check_int("finetune_backward_loops", p.get("finetune_backward_loops", 0), 0,
