@@ -291,3 +291,36 @@ def test_conditioning_summary_pools_trained_and_beyond_depths_with_wilson_interv
     rows = conditioning_rows(s, (2, 4))
     assert len(rows) == 4 and rows[3].startswith("| I+H(w=2)+LG | 4 | ")
     assert f"{float(s.loss.sel(variant='plain', loop=2)):.3f} |" in rows[0]
+
+
+def test_truncation_summary_pairs_each_truncated_run_with_full_bptt_at_the_same_budget(tmp_path):
+    import json
+
+    import torch
+
+    from workbench.experiments import load_run, train_run
+    from workbench.experiments.findings import truncation_rows, truncation_summary
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("while n > 1:\n    n = n // 2\n" * 400)
+    runs = tmp_path / "runs"
+    for key, k in (("full", 3), ("k1", 1)):
+        out = runs / "truncation" / "train" / key
+        train_run(out, model=dict(d_model=16, n_heads=2, n_kv_heads=1, prelude=1, core=1, coda=1, loops=3,
+                                  max_seq_len=64),
+                  train=dict(flops=2e8, backward_loops=k, batch_size=2, seq_len=32, progress=False),
+                  corpus=f"path:{tmp_path / 'text'}", vocab_size=300, resume=False)
+        (out / "run.json").write_text(json.dumps({"status": "done", "finished": key, "params": {}}))
+    s = truncation_summary(runs, n=3, seq_len=16)
+    assert list(s.backward_loops.values) == [3, 1] and (s.flops == 2e8).all()
+    assert int(s.steps[1]) > int(s.steps[0])  # truncation buys steps at a matched budget
+    per = {}
+    for key in ("full", "k1"):
+        run = load_run(runs / "truncation" / "train" / key, device="cpu")
+        x = run.val_tokens(3, 16)
+        with torch.no_grad():
+            per[key] = [float(run.model(x[i:i + 1, :-1], loops=3, targets=x[i:i + 1, 1:]).loss) for i in range(3)]
+    assert float(s.loss[1]) == pytest.approx(np.mean(per["k1"]), rel=1e-6)
+    assert float(s.vs_full[1]) == pytest.approx(np.mean(per["k1"]) - np.mean(per["full"]), abs=1e-6)
+    assert float(s.vs_full[0]) == 0.0
+    assert truncation_rows(s)[1].startswith("| 16 | 2e+08 | 3 | 1 | ")

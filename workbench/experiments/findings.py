@@ -278,3 +278,51 @@ def conditioning_rows(summary: xr.Dataset, loops: tuple[int, ...]) -> list[str]:
                      for g, x in (("knowledge", ""), ("reasoning", ""), ("reasoning", "_beyond"))]
             rows.append(f"| {v} | {r} | " + " | ".join(cells) + f" | {float(s.loss):.3f} |")
     return rows
+
+
+def truncation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, seed: int = 0) -> xr.Dataset:
+    """Return per truncation training run (dim `run`): loss at its loop count and its paired difference to full BPTT, 95% intervals.
+
+    Every done run of the truncation pipeline's `train` step is reopened and scored on `n` validation
+    windows of `seq_len` tokens at its training loop count r. `vs_full` is the per-window difference to
+    the run of the same width, FLOP budget and r trained with full BPTT (k = r), when both read the same
+    windows (one seed and vocabulary share the tokenizer); NaN otherwise.
+    """
+    import json
+
+    n = check_int("n", n, 2)
+    rows = []
+    for d in find_runs("truncation", "train", runs_dir):
+        run, x, losses = _windows(d, n, seq_len, seed)
+        tc = json.loads((d / "config.json").read_text()).get("train", {})
+        r = run.model.cfg.loops
+        with xr.open_dataset(d / "metrics.nc", engine="h5netcdf") as m:  # a FLOP budget sets the steps at start
+            steps = int(m.step.max())
+        rows.append({"run": d.name, "d_model": run.model.cfg.d_model, "flops": float(tc.get("flops") or np.nan),
+                     "loops": r, "backward_loops": int(tc.get("backward_loops") or r), "steps": steps,
+                     "x": x, "losses": losses})
+    if not rows:
+        raise FileNotFoundError(f"no finished truncation/train runs under {runs_dir}")
+    rows.sort(key=lambda q: (q["d_model"], q["flops"], q["loops"], -q["backward_loops"]))
+    data: dict[str, list[float]] = {k: [] for k in ("loss", "loss_low", "loss_high", "vs_full", "vs_full_low",
+                                                    "vs_full_high")}
+    for q in rows:
+        full = next((f for f in rows if (f["d_model"], f["flops"], f["loops"]) == (q["d_model"], q["flops"], q["loops"])
+                     and f["backward_loops"] == f["loops"]), None)
+        paired = full is not None and torch.equal(q["x"], full["x"])
+        diff = (bootstrap_ci(np.subtract(q["losses"], full["losses"]), seed=seed) if paired else (float("nan"),) * 3)
+        for k, v in zip(data, (*bootstrap_ci(q["losses"], seed=seed), *diff)):
+            data[k].append(v)
+    coords = {"run": [q["run"] for q in rows], **{k: ("run", [q[k] for q in rows])
+                                                 for k in ("d_model", "flops", "loops", "backward_loops", "steps")}}
+    return xr.Dataset({k: ("run", v) for k, v in data.items()}, coords=coords,
+                      attrs={"sequences": n, "seq_len": seq_len, "seed": seed,
+                             "interval": "95% percentile bootstrap over windows; vs_full paired per window"})
+
+
+def truncation_rows(summary: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's table rows for a truncation summary: width, FLOPs, r, k, steps, loss, difference to full BPTT."""
+    return [f"| {int(s.d_model)} | {float(s.flops):.0e} | {int(s.loops)} | {int(s.backward_loops)} | {int(s.steps)} | "
+            f"{fmt(float(s.loss), float(s.loss_low), float(s.loss_high), 3)} | "
+            f"{fmt(float(s.vs_full), float(s.vs_full_low), float(s.vs_full_high), 3)} |"
+            for s in (summary.isel(run=i) for i in range(summary.sizes["run"]))]
