@@ -326,3 +326,21 @@ def truncation_rows(summary: xr.Dataset) -> list[str]:
             f"{fmt(float(s.loss), float(s.loss_low), float(s.loss_high), 3)} | "
             f"{fmt(float(s.vs_full), float(s.vs_full_low), float(s.vs_full_high), 3)} |"
             for s in (summary.isel(run=i) for i in range(summary.sizes["run"]))]
+
+
+def alloc_rows(fit: xr.Dataset, group: str | None = None) -> list[str]:
+    """Return docs/findings.md's rows for the allocation a fitted law implies (a fit_laws results.nc's `alloc_*`).
+
+    One row per size mode (fixed: the largest run's shape; free: size searched too) and budget: the
+    best (N, r, k), its predicted loss, the best full-BPTT setting's, and whether full BPTT wins.
+    """
+    fit = fit.sel(group=group if group is not None else fit.group.values[0])
+    rows = []
+    for size in fit["size"].values:
+        for b in fit.budget.values:
+            a = fit.sel(size=size, budget=b)
+            rows.append(f"| {size} | {float(b):.1e} | {float(a.alloc_n) / 1e6:.2f} M | {int(a.alloc_loops)} | "
+                        f"{int(a.alloc_backward_loops)} | {float(a.alloc_loss):.3f} | "
+                        f"{int(a.alloc_full_loops)} | {float(a.alloc_full_loss):.3f} | "
+                        f"{'yes' if bool(a.alloc_full_bptt_wins) else 'no'} |")
+    return rows
