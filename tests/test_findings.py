@@ -189,12 +189,22 @@ def test_phi_rows_quote_each_groups_phi_with_its_interval_beside_the_papers():
                              "| φ, hyper-connections (n = 2) | 0.65 | 0.70 [0.60, 0.90] |"]
 
 
+def window_losses(run_dir, loops: int, n: int = 3, seq_len: int = 16) -> list[float]:
+    """Return the reference: a reopened run's next-token loss on each of its first n validation windows, one forward each."""
+    import torch
+
+    from workbench.experiments import load_run
+
+    run = load_run(run_dir, device="cpu")
+    x = run.val_tokens(n, seq_len)
+    with torch.no_grad():
+        return [float(run.model(x[i:i + 1, :-1], loops=loops, targets=x[i:i + 1, 1:]).loss) for i in range(n)]
+
+
 def test_taper_summary_pairs_each_schedule_with_uniform_of_the_same_seed(tmp_path):
     import json
 
-    import torch
-
-    from workbench.experiments import load_run, train_run
+    from workbench.experiments import train_run
     from workbench.experiments.findings import taper_rows, taper_summary
 
     (tmp_path / "text").mkdir()
@@ -209,12 +219,7 @@ def test_taper_summary_pairs_each_schedule_with_uniform_of_the_same_seed(tmp_pat
         (out / "run.json").write_text(json.dumps({"status": "done", "finished": taper, "params": {}}))
     s = taper_summary(runs, n=3, seq_len=16)
     assert list(s.taper.values) == ["uniform", "cosine"] and list(s.seeds.values) == [1, 1]
-    per = {}
-    for taper in ("cosine", "uniform"):
-        run = load_run(runs / "taper" / "train" / taper, device="cpu")
-        x = run.val_tokens(3, 16)
-        with torch.no_grad():
-            per[taper] = [float(run.model(x[i:i + 1, :-1], loops=2, targets=x[i:i + 1, 1:]).loss) for i in range(3)]
+    per = {taper: window_losses(runs / "taper" / "train" / taper, 2) for taper in ("cosine", "uniform")}
     assert float(s.loss.sel(taper="cosine")) == pytest.approx(np.mean(per["cosine"]), rel=1e-6)
     assert float(s.vs_uniform.sel(taper="cosine")) == pytest.approx(np.mean(per["cosine"]) - np.mean(per["uniform"]),
                                                                      abs=1e-6)
@@ -296,9 +301,7 @@ def test_conditioning_summary_pools_trained_and_beyond_depths_with_wilson_interv
 def test_truncation_summary_pairs_each_truncated_run_with_full_bptt_at_the_same_budget(tmp_path):
     import json
 
-    import torch
-
-    from workbench.experiments import load_run, train_run
+    from workbench.experiments import train_run
     from workbench.experiments.findings import truncation_rows, truncation_summary
 
     (tmp_path / "text").mkdir()
@@ -314,12 +317,7 @@ def test_truncation_summary_pairs_each_truncated_run_with_full_bptt_at_the_same_
     s = truncation_summary(runs, n=3, seq_len=16)
     assert list(s.backward_loops.values) == [3, 1] and (s.flops == 2e8).all()
     assert int(s.steps[1]) > int(s.steps[0])  # truncation buys steps at a matched budget
-    per = {}
-    for key in ("full", "k1"):
-        run = load_run(runs / "truncation" / "train" / key, device="cpu")
-        x = run.val_tokens(3, 16)
-        with torch.no_grad():
-            per[key] = [float(run.model(x[i:i + 1, :-1], loops=3, targets=x[i:i + 1, 1:]).loss) for i in range(3)]
+    per = {key: window_losses(runs / "truncation" / "train" / key, 3) for key in ("full", "k1")}
     assert float(s.loss[1]) == pytest.approx(np.mean(per["k1"]), rel=1e-6)
     assert float(s.vs_full[1]) == pytest.approx(np.mean(per["k1"]) - np.mean(per["full"]), abs=1e-6)
     assert float(s.vs_full[0]) == 0.0
