@@ -322,3 +322,33 @@ def test_truncation_summary_pairs_each_truncated_run_with_full_bptt_at_the_same_
     assert float(s.vs_full[1]) == pytest.approx(np.mean(per["k1"]) - np.mean(per["full"]), abs=1e-6)
     assert float(s.vs_full[0]) == 0.0
     assert truncation_rows(s)[1].startswith("| 16 | 2e+08 | 3 | 1 | ")
+
+
+def test_lost_gradient_summary_pairs_the_fine_tunes_last_step_with_its_first_per_batch(tmp_path):
+    import json
+
+    from workbench.experiments.findings import bootstrap_ci, lost_gradient_rows, lost_gradient_summary
+
+    rng = np.random.default_rng(2)
+    truth = {}
+    for key, k in (("a", 0), ("b", 2)):
+        half, rho = rng.random((3, 2, 4)), rng.random((3, 2, 4)) + 1
+        ds = xr.Dataset({"lost_half": (("step", "loops", "batch"), half), "rho": (("step", "loops", "batch"), rho)},
+                        coords={"step": [0, 5, 10], "loops": [2, 4], "batch": np.arange(4)},
+                        attrs={"finetune_backward_loops": k, "finetune_lr": 1e-3})
+        d = tmp_path / "lost_gradient" / "lost_gradient" / key
+        d.mkdir(parents=True)
+        ds.to_netcdf(d / "results.nc", engine="h5netcdf")
+        (d / "run.json").write_text(json.dumps({"status": "done", "finished": key}))
+        truth[k] = (half, rho)
+    s = lost_gradient_summary(tmp_path)
+    assert list(s.finetune.values) == [0, 2] and list(s.loops.values) == [2, 4] and s.attrs["finetune_steps"] == 10
+    for k, (half, rho) in truth.items():
+        for j, r in enumerate((2, 4)):
+            got = s.sel(finetune=k, loops=r)
+            assert float(got.before) == pytest.approx(half[0, j].mean())
+            assert (float(got.change), float(got.change_low), float(got.change_high)) == pytest.approx(
+                bootstrap_ci(half[-1, j] - half[0, j]))  # paired per batch, not after minus before of the means' intervals
+            assert float(got.rho_after) == pytest.approx(rho[-1, j].mean())
+    rows = lost_gradient_rows(s)
+    assert rows[0].startswith("| full BPTT | 2 | ") and rows[3].startswith("| k = 2 | 4 | ")

@@ -344,3 +344,50 @@ def alloc_rows(fit: xr.Dataset, group: str | None = None) -> list[str]:
                         f"{int(a.alloc_full_loops)} | {float(a.alloc_full_loss):.3f} | "
                         f"{'yes' if bool(a.alloc_full_bptt_wins) else 'no'} |")
     return rows
+
+
+def lost_gradient_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
+    """Return per fine-tune (dim `finetune`: its backprop depth k, 0 = full) and loop count r: lost(ceil(r/2)) before and after, and the change, 95% intervals.
+
+    Reads every done run of the lost_gradient pipeline's `lost_gradient` step (a fine-tune measured by
+    `finetune_lost_gradient`). `before` is lost at SPEC's truncation point k = ceil(r/2) on the trained
+    model, `after` on the fine-tuned one, `change` their difference paired per validation batch; `rho`
+    likewise for the fitted backward shrink. Intervals are percentile bootstraps over the batches.
+    """
+    rows = {}
+    for d in find_runs("lost_gradient", "lost_gradient", runs_dir):
+        ds = xr.load_dataset(d / "results.nc", engine="h5netcdf")
+        if "lost_half" in ds and ds.sizes["step"] > 1:
+            rows[int(ds.attrs["finetune_backward_loops"])] = ds
+    if not rows:
+        raise FileNotFoundError(f"no finished lost_gradient fine-tune runs under {runs_dir}")
+    ks = sorted(rows)
+    loops = sorted(set.intersection(*(set(ds.loops.values.tolist()) for ds in rows.values())))
+    names = [f"{v}{s}" for v in ("before", "after", "change", "rho_before", "rho_after") for s in ("", "_low", "_high")]
+    out = {n: np.full((len(ks), len(loops)), np.nan) for n in names}
+    for i, k in enumerate(ks):
+        ds = rows[k]
+        for j, r in enumerate(loops):
+            first, last = ds.isel(step=0).sel(loops=r), ds.isel(step=-1).sel(loops=r)
+            for name, values in (("before", first.lost_half), ("after", last.lost_half),
+                                 ("change", last.lost_half - first.lost_half), ("rho_before", first.rho),
+                                 ("rho_after", last.rho)):
+                out[name][i, j], out[f"{name}_low"][i, j], out[f"{name}_high"][i, j] = bootstrap_ci(values.values)
+    any_ds = rows[ks[0]]
+    return xr.Dataset({n: (("finetune", "loops"), a) for n, a in out.items()},
+                      coords={"finetune": ks, "loops": loops},
+                      attrs={"finetune_steps": int(any_ds.step.values[-1]), "finetune_lr": float(any_ds.attrs["finetune_lr"]),
+                             "batches": any_ds.sizes["batch"], "interval": "95% percentile bootstrap over batches"})
+
+
+def lost_gradient_rows(summary: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's rows for a lost-gradient summary: fine-tune depth, r, lost(ceil(r/2)) before, after, change, rho before and after."""
+    rows = []
+    for k in summary.finetune.values:
+        for r in summary.loops.values:
+            s = summary.sel(finetune=k, loops=r)
+            q = {v: fmt(float(s[v]), float(s[f"{v}_low"]), float(s[f"{v}_high"]), 3)
+                 for v in ("before", "after", "change", "rho_before", "rho_after")}
+            rows.append(f"| {'full BPTT' if int(k) == 0 else f'k = {int(k)}'} | {int(r)} | {q['before']} | {q['after']} | "
+                        f"{q['change']} | {q['rho_before']} | {q['rho_after']} |")
+    return rows
