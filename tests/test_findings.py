@@ -352,3 +352,16 @@ def test_lost_gradient_summary_pairs_the_fine_tunes_last_step_with_its_first_per
             assert float(got.rho_after) == pytest.approx(rho[-1, j].mean())
     rows = lost_gradient_rows(s)
     assert rows[0].startswith("| full BPTT | 2 | ") and rows[3].startswith("| k = 2 | 4 | ")
+
+
+def test_committed_lost_gradient_findings_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import lost_gradient_rows
+
+    s = xr.load_dataset(DOCS / "findings" / "lost_gradient" / "summary.nc", engine="h5netcdf")
+    text = (DOCS / "findings.md").read_text()
+    for row in lost_gradient_rows(s):
+        assert row in text, row
+    from workbench.experiments.findings import lost_gradient_summary
+
+    again = lost_gradient_summary(DOCS / "findings")  # the committed runs: docs/findings/lost_gradient/<step>/<key>
+    assert list(again.finetune.values) == [0, 2] and np.allclose(again.change.values, s.change.values)
