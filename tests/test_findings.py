@@ -365,3 +365,18 @@ def test_committed_lost_gradient_findings_hold_the_numbers_the_document_quotes()
 
     again = lost_gradient_summary(DOCS / "findings")  # the committed runs: docs/findings/lost_gradient/<step>/<key>
     assert list(again.finetune.values) == [0, 2] and np.allclose(again.change.values, s.change.values)
+
+
+def test_committed_truncation_findings_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import alloc_rows, truncation_rows
+
+    s = xr.load_dataset(DOCS / "findings" / "truncation" / "summary.nc", engine="h5netcdf")
+    fit, = (DOCS / "findings" / "truncation" / "fit").glob("*/results.nc")
+    fit = xr.load_dataset(fit, engine="h5netcdf")
+    text = (DOCS / "findings.md").read_text()
+    for row in truncation_rows(s) + alloc_rows(fit):
+        assert row in text, row
+    cut = s.where(s.backward_loops < s.loops, drop=True)
+    below, lower = int((cut.vs_full_high < 0).sum()), int((cut.vs_full < 0).sum())
+    assert (cut.sizes["run"], lower, below) == (16, 14, 12)  # "lower loss in 14 of 16 ... in 12 below 0"
+    assert len(list((DOCS / "findings" / "truncation" / "train").glob("*/results.nc"))) == int(fit.attrs["n_runs"])
