@@ -191,6 +191,11 @@ def check_conditioning(pipe, runs: Path) -> None:
         assert (it.task_count.sel(depth=[5, 6, 7, 8]) > 0).all()  # examples past the trained depth, on by default
         assert "group_accuracy_beyond" in ds and np.isfinite(ds.group_accuracy_beyond.sel(group="reasoning")).all()
         assert np.isfinite(ds.task_chance.sel(task="iterated", depth=range(1, 9))).all()
+        # chance of the tasks as trained (task_options: 20 countries, the add rule), in train and sweep alike
+        from workbench.data.tasks import chance_rate
+        opts = pipe.steps[0].params["task_options"]
+        assert float(ds.task_chance.sel(task="recall", depth=0)) == chance_rate("recall", 0, **opts["recall"])
+        assert float(it.task_chance.sel(depth=3)) == chance_rate("iterated", 3, **opts["iterated"])
 
 
 def check_quickstart(runs: Path) -> None:
