@@ -380,3 +380,24 @@ def test_committed_truncation_findings_hold_the_numbers_the_document_quotes():
     below, lower = int((cut.vs_full_high < 0).sum()), int((cut.vs_full < 0).sum())
     assert (cut.sizes["run"], lower, below) == (16, 14, 12)  # "lower loss in 14 of 16 ... in 12 below 0"
     assert len(list((DOCS / "findings" / "truncation" / "train").glob("*/results.nc"))) == int(fit.attrs["n_runs"])
+
+
+def test_committed_conditioning_findings_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import conditioning_rows, conditioning_summary
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning" / "summary.nc", engine="h5netcdf")
+    text = (DOCS / "findings.md").read_text()
+    for row in conditioning_rows(s, (1, 2, 4, 8, 12)):
+        assert row in text, row
+    assert set(s.variant.values) == {"plain", "I", "H(w=2)", "LG"}
+    at_k = s.sel(loop=4)
+    # knowledge learned by every variant (well above its chance), reasoning by none: no interval above chance
+    assert (at_k.low.sel(group="knowledge") > 10 * at_k.chance.sel(group="knowledge")).all()
+    r = s.sel(group="reasoning")
+    assert (r.low <= r.chance).all()  # at the trained depths, at every r in 1..12
+    # past them, 2 of 48 intervals (LG at r = 5 and 6: 0.16 [0.12, 0.21]) clear chance 0.117, as quoted
+    above = (r.low_beyond > r.chance_beyond)
+    assert int(above.sum()) == 2 and bool(above.sel(variant="LG", loop=[5, 6]).all())
+    assert float(at_k.chance.sel(group="knowledge")[0]) == pytest.approx(chance_rate("recall", 0, n_entities=20))
+    again = conditioning_summary(DOCS / "findings")  # recomputes from the committed sweeps
+    assert np.array_equal(again.accuracy.values, s.accuracy.values, equal_nan=True)
