@@ -158,6 +158,15 @@ def datasets(model):
                                "group_accuracy": (("point", "group"), np.tile([[0.9, 0.02]], (7, 1)))},
                               coords={"rule": ("point", rules), "setting": ("point", [1, 2, 4, 8, 0.1, 0.01, 0.001]),
                                       "group": ["knowledge", "reasoning"]})
+    # task accuracy as the loop sweep reports it (experiments.task_results): reasoning trained at depths 1-4
+    from workbench.experiments import task_results
+    count = np.zeros((2, 9))
+    count[0, 1:], count[1, 0] = 8, 8
+    acc = np.where(count > 0, np.linspace(0.05, 1, 6 * 2 * 9).reshape(6, 2, 9), np.nan)
+    ts = xr.Dataset({"accuracy": (("loop", "task", "depth"), acc), "count": (("task", "depth"), count)},
+                    coords={"loop": [1, 2, 3, 4, 5, 6], "task": ["iterated", "recall"], "depth": np.arange(9),
+                            "task_group": ("task", ["reasoning", "knowledge"])})
+    out["tasks"] = task_results(ts, ["iterated", "recall"], None, {"iterated": {"rule": "add"}})
     out["train"] = xr.Dataset({"train_loss": ("step", 6 - np.log(steps)),
                                "eval_loss": (("eval_step", "eval_loop"), [[5.0, 4.5], [4.0, 3.5]])},
                               coords={"step": steps, "eval_step": [150, 300], "eval_loop": [1, 3]})
@@ -192,7 +201,25 @@ def built(d) -> dict[str, go.Figure]:
         "trajectory": figures.trajectory(d["view"], [0, 3, 5]),
         "exit_loss": figures.exit_curves(d["exits"], "loss"),
         "exit_accuracy": figures.exit_curves(d["exits"], "group_accuracy"),
+        "task_accuracy": figures.task_accuracy(d["tasks"], K=K),
+        "task_accuracy_beyond": figures.task_accuracy(d["tasks"], K=K, beyond=True),
     }
+
+
+def test_task_accuracy_draws_each_groups_chance_in_its_colour(datasets):
+    ds = datasets["tasks"]
+    fig = figures.task_accuracy(ds, K=3)
+    lines = {t.name: t for t in fig.data}
+    for g in ("knowledge", "reasoning"):
+        acc, = [t for t in fig.data if t.name == f"group={g}"]
+        chance, = [t for t in fig.data if t.name.startswith(f"chance, group={g} ")]
+        assert list(chance.y) == [float(ds.group_chance.sel(group=g))] * 2 and chance.line.dash == "dot"
+        assert chance.line.color == acc.line.color
+    beyond = figures.task_accuracy(ds, K=3, beyond=True)  # knowledge has no depth past its training: no lines
+    assert [t.name for t in beyond.data] == [
+        "group=reasoning", f"chance, group=reasoning ({float(ds.group_chance_beyond.sel(group='reasoning')):.3f})"]
+    assert beyond.layout.yaxis.title.text == "accuracy (fraction)" and tuple(beyond.layout.yaxis.range) == (-0.02, 1.02)
+    assert len(lines) == 4
 
 
 def test_every_builder_is_checked(datasets):

@@ -71,6 +71,12 @@ def test_group_accuracy_splits_trained_and_beyond_depths_against_a_loop():
                     assert got == pytest.approx(hits / n), (var, g, li)
                 else:
                     assert np.isnan(got), (var, g, li)
+    for g, ts_ in (("reasoning", (0, 1)), ("knowledge", (2,))):  # the same examples' chance, count-weighted
+        for var, inside in (("group_chance", True), ("group_chance_beyond", False)):
+            cells = [(ti, d) for ti in ts_ for d in depths if count[ti, d] and ((d in trained[tasks[ti]]) == inside)]
+            want = (sum(float(out.task_chance[ti, d]) * count[ti, d] for ti, d in cells) / sum(count[ti, d] for ti, d in cells)
+                    if cells else np.nan)
+            np.testing.assert_allclose(float(out[var].sel(group=g)), want, rtol=1e-12)
     assert out.task_trained.sel(task="iterated", depth=4) and not out.task_trained.sel(task="iterated", depth=5)
     assert float(out.task_chance.sel(task="deduction", depth=2)) == chance_rate("deduction", 2)
     assert np.isnan(float(out.task_chance.sel(task="recall", depth=3)))  # no examples there

@@ -88,7 +88,8 @@ def task_results(ts: xr.Dataset, tasks: Sequence[str], depths: Sequence[int] | N
 
     `ts` is `loop_sweep` over task examples. `group_accuracy` averages the examples at the depths a task
     was trained at; `group_accuracy_beyond` those past them (NaN for a group with none); `task_chance` is
-    `data.tasks.chance_rate` for every (task, depth) cell, to read beside every accuracy.
+    `data.tasks.chance_rate` for every (task, depth) cell, to read beside every accuracy, and
+    `group_chance` / `group_chance_beyond` the same examples' chance per group.
     """
     from ..data.tasks import chance_rate
 
@@ -104,13 +105,18 @@ def task_results(ts: xr.Dataset, tasks: Sequence[str], depths: Sequence[int] | N
                       "task_trained": trained.assign_attrs(long_name="depth seen in training")})
     groups = sorted(set(ts.task_group.values.tolist()))
     for name, mask in (("group_accuracy", trained), ("group_accuracy_beyond", ~trained)):
-        vals = []
+        vals, chances = [], []
         for g in groups:
             sel = (ts.task_group == g) & mask
             n = float(ts["count"].where(sel).sum())
             total = hits.where(sel).sum(("task", "depth"))
             vals.append(total / n if n else xr.full_like(total, np.nan))  # a group with no such examples
+            chances.append(float((chance.fillna(0) * ts["count"].where(sel, 0)).sum()) / n if n else np.nan)
         out[name] = xr.concat(vals, dim="group").assign_coords(group=groups).transpose("loop", "group")
+        # the chance the same examples give, to draw and quote beside the group's accuracy
+        out[name.replace("accuracy", "chance")] = xr.DataArray(
+            chances, dims="group", coords={"group": groups},
+            attrs={"long_name": "majority-class chance of the same examples (count-weighted)"})
     return out
 
 

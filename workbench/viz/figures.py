@@ -167,6 +167,32 @@ def loss_by_loop(ds, var: str = "loss", K: int | None = None, by: str | None = N
     return mark_horizon(fig, K if K is not None else ds.attrs.get("training_loops"))
 
 
+def task_accuracy(ds, K: int | None = None, beyond: bool = False) -> go.Figure:
+    """Return group accuracy per loop count (at the trained depths, or past them) with each group's chance dotted beside it."""
+    from plotly.colors import qualitative
+
+    var = "group_accuracy_beyond" if beyond else "group_accuracy"
+    title = ("Task accuracy per loop count, past the deepest trained depth" if beyond
+             else "Task accuracy per loop count, at the trained depths")
+    quantity = QUANTITY["group_accuracy"]
+    fig = loss_by_loop(ds, var, K=K, by="group", title=title, y_title=quantity)
+    chance, loops, palette = var.replace("accuracy", "chance"), ds.loop.values, qualitative.Plotly
+    kept, chances = [], []
+    for i, (g, trace) in enumerate(zip(ds.group.values, fig.data)):
+        if not np.isfinite(np.asarray(trace.y, dtype=float)).any():
+            continue  # a group with no examples here (knowledge has no depth past its training)
+        trace.line.color = palette[i % len(palette)]  # the group's accuracy and its chance line share a colour
+        kept.append(trace)
+        c = float(ds[chance].sel(group=g)) if chance in ds else float("nan")
+        if np.isfinite(c):
+            chances.append(_line([loops.min(), loops.max()], [c, c], f"chance, group={g} ({c:.3f})", quantity,
+                                 mode="lines", line=dict(color=trace.line.color, dash="dot")))
+    fig.data = kept
+    for trace in chances:
+        fig.add_trace(trace)
+    return fig
+
+
 def loss_with_fit(ds, K: int | None = None, title: str = "Validation loss per loop count, with the test-time law"
                   ) -> go.Figure:
     """Return measured loss per loop count and the fitted L(T) (`loss_fit`): solid where it was fitted, dotted past it.
