@@ -407,3 +407,18 @@ def test_committed_conditioning_findings_hold_the_numbers_the_document_quotes():
     assert float(at_k.chance.sel(group="knowledge")[0]) == pytest.approx(chance_rate("recall", 0, n_entities=20))
     again = conditioning_summary(DOCS / "findings")  # recomputes from the committed sweeps
     assert np.array_equal(again.accuracy.values, s.accuracy.values, equal_nan=True)
+
+
+def test_the_cpu_probes_quote_what_they_printed():
+    from workbench.experiments.findings import fmt, wilson
+
+    lines = (DOCS / "findings" / "conditioning_probe_cpu.txt").read_text().splitlines()
+    text = (DOCS / "findings.md").read_text()
+    for name, loop in (("S1", 4), ("L3", 4), ("L3", 2)):
+        i = lines.index(f"{name} group_accuracy (trained depths)")
+        row = next(ln.split() for ln in lines[i + 3:i + 7] if ln.split()[0] == str(loop))
+        hits = round(float(row[2]) * 256)
+        assert fmt(hits / 256, *wilson(hits, 256), 3) in text, (name, loop)
+    i = lines.index("L3 group_accuracy (trained depths)")
+    k4 = next(ln.split() for ln in lines[i + 3:i + 7] if ln.split()[0] == "4")
+    assert wilson(round(float(k4[2]) * 256), 256)[0] > chance_rate("iterated", 3, rule="add")  # left chance
