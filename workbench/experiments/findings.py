@@ -223,6 +223,8 @@ def conditioning_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
     """
     import json
 
+    from .runs import group_pool
+
     per = {}
     for d in find_runs("conditioning", "sweep", runs_dir):
         ds = xr.load_dataset(d / "results.nc", engine="h5netcdf")
@@ -240,18 +242,18 @@ def conditioning_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
     for vi, v in enumerate(variants):
         ds, _ = per[v]
         loss[vi] = ds.loss.sel(loop=loops).values
+        pooled = group_pool(ds.task_accuracy, ds.task_count, ds.task_chance, ds.task_group, ds.task_trained)
         for gi, g in enumerate(groups):
-            for suffix, trained in (("", True), ("_beyond", False)):
-                cells = (ds.task_group == g) & (ds.task_trained == trained) & (ds.task_count > 0)
-                count = ds.task_count.where(cells, 0)
-                n = int(count.sum())
+            for suffix in ("", "_beyond"):
+                p = pooled.sel(group=g)
+                n = int(p[f"group_count{suffix}"])
                 if n == 0:
                     continue
                 out[f"n{suffix}"][vi, :, gi] = n
-                out[f"chance{suffix}"][vi, :, gi] = float((ds.task_chance.fillna(0) * count).sum() / n)
+                out[f"chance{suffix}"][vi, :, gi] = float(p[f"group_chance{suffix}"])
                 for li, loop in enumerate(loops):
                     # accuracy x count is a whole number of examples (rounded against float error)
-                    hits = int(round(float((ds.task_accuracy.sel(loop=loop).fillna(0) * count).sum())))
+                    hits = int(round(float(p[f"group_accuracy{suffix}"].sel(loop=loop)) * n))
                     out[f"accuracy{suffix}"][vi, li, gi] = hits / n
                     out[f"low{suffix}"][vi, li, gi], out[f"high{suffix}"][vi, li, gi] = wilson(hits, n)
     K = {int(per[v][1]["loops"]) for v in variants}
@@ -288,13 +290,13 @@ def truncation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 
     the run of the same width, FLOP budget and r trained with full BPTT (k = r), when both read the same
     windows (one seed and vocabulary share the tokenizer); NaN otherwise.
     """
-    import json
+    from ..io import read_run_config
 
     n = check_int("n", n, 2)
     rows = []
     for d in find_runs("truncation", "train", runs_dir):
         run, x, losses = _windows(d, n, seq_len, seed)
-        tc = json.loads((d / "config.json").read_text()).get("train", {})
+        tc = read_run_config(d).get("train") or {}
         r = run.model.cfg.loops
         with xr.open_dataset(d / "metrics.nc", engine="h5netcdf") as m:  # a FLOP budget sets the steps at start
             steps = int(m.step.max())

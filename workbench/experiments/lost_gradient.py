@@ -33,9 +33,11 @@ FINETUNE_SEED_OFFSET = 1  # fine-tune batches use the run's seed + 1 + seed: not
 
 def _loop_counts(value: Any, field: str = "loops") -> list[int]:
     """Return the loop counts as a list of distinct integers >= 1, else fail naming the field or element."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+    from .runs import _int_list
+
+    out = _int_list(field, value, 1, allow_none=False)
+    if not out:
         fail(field, value, "must be a non-empty list of distinct integers >= 1 (loop counts r)")
-    out = [check_int(f"{field}[{i}]", v, 1) for i, v in enumerate(value)]
     if len(set(out)) != len(out):
         fail(field, value, "must not repeat a loop count")
     return out

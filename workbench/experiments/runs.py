@@ -98,25 +98,38 @@ def task_results(ts: xr.Dataset, tasks: Sequence[str], depths: Sequence[int] | N
     chance = xr.DataArray([[chance_rate(t, int(d), **(options or {}).get(t, {})) if c > 0 else np.nan for d, c in zip(ts.depth.values, row)]
                            for t, row in zip(ts.task.values, ts["count"].values)],
                           dims=("task", "depth"), coords={"task": ts.task, "depth": ts.depth})
-    hits = (ts.accuracy * ts["count"]).fillna(0)
     out = xr.Dataset({"task_accuracy": ts.accuracy, "task_count": ts["count"],
                       "task_chance": chance.assign_attrs(long_name="majority-class chance (share of the most "
                                                                    "common answer)"),
                       "task_trained": trained.assign_attrs(long_name="depth seen in training")})
-    groups = sorted(set(ts.task_group.values.tolist()))
-    for name, mask in (("group_accuracy", trained), ("group_accuracy_beyond", ~trained)):
-        vals, chances = [], []
+    return out.merge(group_pool(ts.accuracy, ts["count"], chance, ts.task_group, trained))
+
+
+def group_pool(accuracy: xr.DataArray, count: xr.DataArray, chance: xr.DataArray, task_group: xr.DataArray,
+               trained: xr.DataArray) -> xr.Dataset:
+    """Return per task group the examples at the trained depths pooled (and, `*_beyond`, those past them).
+
+    From per-cell (task, depth) `accuracy` (over loop), `count`, `chance` and the `trained` mask:
+    `group_accuracy` (loop, group), `group_count` and the count-weighted `group_chance` (group); NaN for
+    a group with no such examples. `task_results` and the findings summaries both pool through this.
+    """
+    hits = (accuracy * count).fillna(0)
+    groups = sorted(set(task_group.values.tolist()))
+    out = xr.Dataset(coords={"group": groups})
+    for suffix, mask in (("", trained), ("_beyond", ~trained)):
+        vals, chances, ns = [], [], []
         for g in groups:
-            sel = (ts.task_group == g) & mask
-            n = float(ts["count"].where(sel).sum())
+            sel = (task_group == g) & mask
+            n = float(count.where(sel).sum())
             total = hits.where(sel).sum(("task", "depth"))
             vals.append(total / n if n else xr.full_like(total, np.nan))  # a group with no such examples
-            chances.append(float((chance.fillna(0) * ts["count"].where(sel, 0)).sum()) / n if n else np.nan)
-        out[name] = xr.concat(vals, dim="group").assign_coords(group=groups).transpose("loop", "group")
+            chances.append(float((chance.fillna(0) * count.where(sel, 0)).sum()) / n if n else np.nan)
+            ns.append(n)
+        out[f"group_accuracy{suffix}"] = xr.concat(vals, dim="group").assign_coords(group=groups).transpose("loop", "group")
         # the chance the same examples give, to draw and quote beside the group's accuracy
-        out[name.replace("accuracy", "chance")] = xr.DataArray(
-            chances, dims="group", coords={"group": groups},
-            attrs={"long_name": "majority-class chance of the same examples (count-weighted)"})
+        out[f"group_chance{suffix}"] = ("group", chances,
+                                        {"long_name": "majority-class chance of the same examples (count-weighted)"})
+        out[f"group_count{suffix}"] = ("group", ns, {"long_name": "examples pooled"})
     return out
 
 
