@@ -288,6 +288,29 @@ def test_dask_without_scheduler_splits_the_cores_and_a_dying_worker_fails_only_i
         assert json.loads((Path(rows[x]["dir"]) / "out.json").read_text()) == {"value": x, "threads": share}
 
 
+def test_local_threads_fix_every_kernels_torch_threads_and_leave_the_callers_environment(project, monkeypatch, capsys):
+    """--threads 1: each kernel's torch runs 1 thread, whether runs execute in pool processes (--jobs 2) or,
+    one at a time, in this process, whose own OMP_NUM_THREADS (all the cores here, what a lone run would
+    otherwise inherit) is back afterwards. Bad values are refused before anything runs."""
+    write_notebook(project / "notebooks" / "threads.ipynb", THREADS_BODY)
+    n, cores = 1, str(pipeline.machine_cores())
+    monkeypatch.setenv("OMP_NUM_THREADS", cores)
+    for name, cases, jobs in (("pool", "[{x: 1}, {x: 2}, {x: 3}]", 2), ("alone", "[{x: 4}]", 1)):
+        s = spec(project, f"name: {name}\nsteps:\n  - name: a\n    notebook: threads\n    params: {{fail: false}}\n"
+                          f"    cases: {cases}\n", name=f"{name}.yaml")
+        result = pipeline.run(s, runs_dir=project / "runs", jobs=jobs, threads=n, log=None, report_html=False)
+        assert result.ok
+        for row in pipeline.status(s, runs_dir=project / "runs"):
+            assert json.loads((Path(row["dir"]) / "out.json").read_text())["threads"] == n, (name, row)
+        assert os.environ["OMP_NUM_THREADS"] == cores
+    for bad in (-1, True, 1.5):
+        with pytest.raises(pipeline.PipelineError, match=f"threads={bad!r} is invalid: must be an integer >= 1, or 0"):
+            pipeline.LocalExecutor(2, bad)
+    from workbench.cli import main
+    assert main(["run", str(spec(project)), "--runs", str(project / "fresh"), "--threads", "-1", "--quiet"]) == 2
+    assert "threads=-1 is invalid" in capsys.readouterr().err and not (project / "fresh").exists()
+
+
 # ---- the library's code in the key ----------------------------------------------------------------------
 CHAIN = """\
 name: chain

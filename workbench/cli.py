@@ -135,7 +135,8 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
     try:
         if args.cmd == "run":
             result = pipeline.run(args.spec, profile=args.profile, jobs=args.jobs, executor=args.executor,
-                                  scheduler=args.scheduler, runs_dir=args.runs, progress=not args.quiet)
+                                  scheduler=args.scheduler, runs_dir=args.runs, progress=not args.quiet,
+                                  threads=args.threads)
             return 0 if result.ok else 1
         if args.cmd == "status":
             rows = pipeline.status(args.spec, profile=args.profile, runs_dir=args.runs)
@@ -205,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                            help="Dask scheduler address for --executor dask (default: start a LocalCluster "
                                 "sized to this machine); each run gets its worker's share of the cores as "
                                 "torch threads")
+            c.add_argument("--threads", type=int, default=0,
+                           help="torch threads per run (default 0: the machine's cores over the runs executing "
+                                "at once, so a step's lone run gets them all; on Dask each worker's share); "
+                                "set it when other work shares the cores")
             c.add_argument("--quiet", action="store_true",
                            help="no live progress (which run executes, its step, tokens/s, time left); "
                                 "the line per finished run and the summary stay")

@@ -495,6 +495,13 @@ def _claimed(job: RunJob) -> Iterator[tuple[Path, Path, dict | None]]:
         yield final, final.parent / f".{final.name}.partial", done
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# papermill's default is 60 s; a kernel starting beside runs that hold every core of a 2-core machine
+# has taken longer than that (a fresh-clone CI run failed an allocation smoke sweep so), and a run that
+# fails only to start is lost work
+KERNEL_START_TIMEOUT = 300
+
+
 def execute_run(job: RunJob) -> dict:
     """Return the run's record after executing its notebook (or the existing record if it already completed).
 
@@ -513,8 +520,9 @@ def execute_run(job: RunJob) -> dict:
             (work / "run.json").unlink(missing_ok=True)
         work.mkdir(parents=True, exist_ok=True)
         (work / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's: live progress must show this one
+        saved = {var: os.environ.get(var) for var in THREAD_VARS}
         if job.threads:
-            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            for var in THREAD_VARS:
                 os.environ[var] = str(job.threads)  # the kernel inherits it: parallel runs share the cores
         started, t0 = _now(), time.perf_counter()
         error = None
@@ -522,11 +530,18 @@ def execute_run(job: RunJob) -> dict:
             papermill.execute_notebook(str(job.notebook), str(work / "notebook.ipynb"),
                                        parameters={**job.params, "out_dir": "."}, cwd=str(work),
                                        kernel_name="python3", progress_bar=False, log_output=False,
+                                       start_timeout=KERNEL_START_TIMEOUT,
                                        kernel_manager_class=_kernel_manager_class())
         except PapermillExecutionError as e:
             error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
         except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
             error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        finally:  # a run executed in this process (one job at a time) leaves the caller's environment as it was
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
         return _close_run(work, final, _record(job, error, started, time.perf_counter() - t0))
 
 
@@ -571,25 +586,37 @@ def record_failed(job: RunJob, error: str) -> dict:
 
 
 # ---- executors -------------------------------------------------------------------------------------------
-class LocalExecutor:
-    """Runs jobs in local processes (`jobs` at once; in this process when jobs == 1)."""
+def _check_threads(threads: object, default: str) -> int:
+    """Return `threads` once it is an integer >= 0 (0: `default`, which the error message names)."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise PipelineError(f"threads={threads!r} is invalid: must be an integer >= 1, or 0 ({default})")
+    return threads
 
-    def __init__(self, jobs: int = 1):
+
+class LocalExecutor:
+    """Runs jobs in local processes (`jobs` at once; in this process when jobs == 1 or a step has one run).
+
+    Each run's kernel gets `threads` torch threads; with 0, the machine's cores over the runs executing
+    at once (so a step's lone run gets them all, which oversubscribes cores other work is using).
+    """
+
+    def __init__(self, jobs: int = 1, threads: int = 0):
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
             raise PipelineError(f"jobs={jobs!r} is invalid: must be an integer >= 1")
         self.jobs = jobs
+        self.threads = _check_threads(threads, "the machine's cores over the runs executing at once")
 
     def map(self, fn: Callable[[RunJob], dict], items: list[RunJob]) -> Iterator[dict]:
         """Return an iterator over fn(item) results in completion order."""
-        if self.jobs == 1 or len(items) <= 1:
+        alone = self.jobs == 1 or len(items) <= 1  # executed here, one at a time, with the caller's threads
+        for it in items:
+            it.threads = self.threads or (0 if alone else max(1, machine_cores() // min(self.jobs, len(items))))
+        if alone:
             yield from map(fn, items)
             return
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        threads = max(1, machine_cores() // min(self.jobs, len(items)))
-        for it in items:
-            it.threads = threads
         with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=mp.get_context("spawn")) as pool:
             futures = [pool.submit(fn, it) for it in items]
             for f in as_completed(futures):
@@ -653,9 +680,7 @@ class DaskExecutor:
             raise PipelineError("executor='dask' needs dask.distributed: pip install 'looped-workbench[cluster]'") from e
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
             raise PipelineError(f"jobs={jobs!r} is invalid: must be an integer >= 1")
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-            raise PipelineError(f"threads={threads!r} is invalid: must be an integer >= 1, or 0 (each worker's share "
-                                "of its host's cores)")
+        _check_threads(threads, "each worker's share of its host's cores")
         if scheduler is not None and (not isinstance(scheduler, str) or not scheduler.strip()):
             raise PipelineError(f"scheduler={scheduler!r} is invalid: must be a Dask scheduler address such as "
                                 "tcp://127.0.0.1:8786, or None to start a local cluster")
@@ -705,9 +730,10 @@ class DaskExecutor:
 
 def make_executor(kind: str = "local", jobs: int = 1, scheduler: str | None = None, threads: int = 0):
     """Return an executor: "local" (processes, `jobs` at once) or "dask" (a scheduler address, or a LocalCluster
-    sized to this machine when None); `threads` is the torch threads per run on Dask (0: each worker's share)."""
+    sized to this machine when None); `threads` is the torch threads per run (0: the cores over the runs at once
+    locally, each worker's share on Dask)."""
     if kind == "local":
-        return LocalExecutor(jobs)
+        return LocalExecutor(jobs, threads)
     if kind == "dask":
         return DaskExecutor(scheduler or None, jobs, threads)
     raise PipelineError(f"executor={kind!r} is invalid: must be 'local' or 'dask'")
@@ -911,8 +937,8 @@ def run(spec: str | os.PathLike, profile: str | None = None, jobs: int = 1, exec
 
     With `progress`, what executes is shown live on stdout (LiveProgress: a status line on a terminal,
     plain lines elsewhere), and `log` lines print below it. `executor="dask"` runs on the cluster at
-    `scheduler`, or on a LocalCluster of this machine when None; `threads` (Dask) fixes the torch
-    threads of every run (0: each worker's share of its host's cores).
+    `scheduler`, or on a LocalCluster of this machine when None; `threads` fixes the torch threads of every
+    run (0: locally the cores over the runs executing at once, on Dask each worker's share of its host's cores).
     """
     pipe = load_spec(spec, profile)
     jobs_list = expand(pipe, runs_dir)
