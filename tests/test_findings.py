@@ -395,7 +395,13 @@ def test_committed_conditioning_findings_hold_the_numbers_the_document_quotes():
     text = (DOCS / "findings.md").read_text()
     for row in conditioning_rows(s, (1, 2, 4, 6, 8, 12)):
         assert row in text, row
-    assert set(s.variant.values) == {"plain", "I", "H(w=2)", "LG"}
+    assert set(s.variant.values) == {"plain", "I", "H(w=2)", "LG", "I+H(w=2)", "I+H(w=2)+LG"}
+    r6 = s.sel(group="reasoning")
+    # the combinations (second sitting): I+H keeps reasoning past K far above plain, I+H+LG far below it
+    assert (r6.low.sel(variant="I+H(w=2)", loop=[8, 12]) > r6.high.sel(variant="plain", loop=[8, 12])).all()
+    assert (r6.high.sel(variant="I+H(w=2)+LG", loop=[8, 12]) < r6.low.sel(variant="plain", loop=[8, 12])).all()
+    assert (s.sel(loop=4).accuracy == 1.0).all()  # every variant, combinations too, learns both groups at K
+    full, s = s, s.sel(variant=["plain", "I", "H(w=2)", "LG"])  # the single mechanisms (first sitting)
     at_k = s.sel(loop=4)
     # the laptop setup is learnable: every variant, the plain baseline included, far above chance on both groups
     assert (at_k.low > 5 * at_k.chance).all() and (at_k.accuracy == 1.0).all()
@@ -412,7 +418,7 @@ def test_committed_conditioning_findings_hold_the_numbers_the_document_quotes():
     assert above.sel(variant=["plain", "I", "LG"]).all() and not bool(above.sel(variant="H(w=2)"))
     assert float(at_k.chance.sel(group="knowledge")[0]) == pytest.approx(chance_rate("recall", 0, n_entities=20))
     again = conditioning_summary(DOCS / "findings")  # recomputes from the committed sweeps
-    assert np.array_equal(again.accuracy.values, s.accuracy.values, equal_nan=True)
+    assert np.array_equal(again.accuracy.values, full.accuracy.values, equal_nan=True)
 
 
 def test_the_cpu_probes_quote_what_they_printed():
