@@ -234,11 +234,21 @@ SIGNALLER = textwrap.dedent("""
 """)
 
 
+def fresh_env() -> dict:
+    """Return the environment of the byte-compared runs: one thread each (1 against 2 threads differs in the last bits)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
 def straight(corpus, tmp_path_factory):
     """An uninterrupted default-settings run of 6 steps (only the step count is given)."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    assert main(cli_args(out, corpus, "--steps", 6)) == 0
+    # a fresh process, like the signalled and resumed runs it is compared with byte for byte: this process's
+    # global torch state (set by earlier tests) must not decide the last bits (a CI run on a CPU without AMX
+    # saw Muon's momentum differ when the straight run shared the test process)
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", *cli_args(out, corpus, "--steps", 6)],
+                          capture_output=True, text=True, timeout=300, env=fresh_env())
+    assert proc.returncode == 0, proc.stderr
     return out
 
 
@@ -247,15 +257,14 @@ def test_a_signal_saves_and_resume_ends_bit_identical(sig, code, corpus, straigh
     script = tmp_path / "signaller.py"
     script.write_text(SIGNALLER)
     run = tmp_path / "run"
-    # the signalled run gets this process's thread count: the straight run and the resume run here, and on a
-    # CPU without AMX a 1-thread run's optimiser state differed from a 2-thread one's in the last bits
-    threads = str(torch.get_num_threads())
     proc = subprocess.run([sys.executable, str(script), sig, "3", *cli_args(run, corpus, "--steps", 6)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": threads})
+                          capture_output=True, text=True, timeout=300, env=fresh_env())
     assert proc.returncode == code, proc.stderr
     assert f"{sig} at step 3 of 6: checkpoint" in proc.stderr
     assert latest_checkpoint(run).name == "ckpt-00000003"
-    assert main(cli_args(run, corpus, "--steps", 6, "--resume")) == 0
+    resumed = subprocess.run([sys.executable, "-m", "workbench.cli", *cli_args(run, corpus, "--steps", 6, "--resume")],
+                             capture_output=True, text=True, timeout=300, env=fresh_env())
+    assert resumed.returncode == 0, resumed.stderr
     for name in ("model.safetensors", "optim.safetensors"):
         assert (run / "ckpt-00000006" / name).read_bytes() == (straight / "ckpt-00000006" / name).read_bytes(), name
     a, b = (xr.load_dataset(d / "metrics.nc", engine="h5netcdf") for d in (straight, run))
