@@ -58,6 +58,7 @@ import os
 import shutil
 import time
 import traceback
+from unittest import mock
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,28 +521,22 @@ def execute_run(job: RunJob) -> dict:
             (work / "run.json").unlink(missing_ok=True)
         work.mkdir(parents=True, exist_ok=True)
         (work / PROGRESS).unlink(missing_ok=True)  # an earlier attempt's: live progress must show this one
-        saved = {var: os.environ.get(var) for var in THREAD_VARS}
-        if job.threads:
-            for var in THREAD_VARS:
-                os.environ[var] = str(job.threads)  # the kernel inherits it: parallel runs share the cores
+        # the kernel inherits the thread count (parallel runs share the cores); patch.dict puts the caller's
+        # environment back after a run executed in this process (one job at a time)
+        threads = {var: str(job.threads) for var in THREAD_VARS} if job.threads else {}
         started, t0 = _now(), time.perf_counter()
         error = None
-        try:
-            papermill.execute_notebook(str(job.notebook), str(work / "notebook.ipynb"),
-                                       parameters={**job.params, "out_dir": "."}, cwd=str(work),
-                                       kernel_name="python3", progress_bar=False, log_output=False,
-                                       start_timeout=KERNEL_START_TIMEOUT,
-                                       kernel_manager_class=_kernel_manager_class())
-        except PapermillExecutionError as e:
-            error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
-        except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
-            error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-        finally:  # a run executed in this process (one job at a time) leaves the caller's environment as it was
-            for var, value in saved.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
+        with mock.patch.dict(os.environ, threads):
+            try:
+                papermill.execute_notebook(str(job.notebook), str(work / "notebook.ipynb"),
+                                           parameters={**job.params, "out_dir": "."}, cwd=str(work),
+                                           kernel_name="python3", progress_bar=False, log_output=False,
+                                           start_timeout=KERNEL_START_TIMEOUT,
+                                           kernel_manager_class=_kernel_manager_class())
+            except PapermillExecutionError as e:
+                error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
+            except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
+                error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         return _close_run(work, final, _record(job, error, started, time.perf_counter() - t0))
 
 
