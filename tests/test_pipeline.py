@@ -401,3 +401,113 @@ def test_status_marks_runs_of_older_library_code_stale(project, library_copy, ca
     # a run made by this code for other parameters is not stale, only not part of this spec
     s.write_text(s.read_text().replace("x: 7", "x: 8"))
     assert [r["state"] for r in pipeline.status(s, runs_dir=runs)].count("stale") == 3
+
+
+# ---- a re-run of a finished pipeline only reports -----------------------------------------------------------
+ODD_PARAMS = textwrap.dedent("""\
+    # a comment line, then lines papermill parses in its own ways
+    a = 1
+    b: int = 2  # help: with a colon
+    c: "float" = 3.0
+    d = {"k": 1,  # first key
+         "j": 2}  # the mapping
+    e: list[int] = [1, 2]  # numbers
+    f = g = 3
+    h = 'x'  # type: str  the help
+    i: dict = dict(a=1)
+    out_dir: str = "."  # the run folder""")
+
+
+def _odd_notebooks(tmp: Path) -> list[Path]:
+    """Return notebooks whose parameters cells exercise papermill's parsing: odd lines, none, another language."""
+    odd = write_notebook(tmp / "odd.ipynb", params=ODD_PARAMS)
+    none = write_notebook(tmp / "none.ipynb")
+    nb = nbformat.read(none, as_version=4)
+    nb.cells[0].metadata["tags"] = []
+    nbformat.write(nb, none)
+    r = write_notebook(tmp / "r.ipynb", params="x <- 1  # not Python")
+    nb = nbformat.read(r, as_version=4)
+    nb.metadata["kernelspec"] = {"name": "ir", "display_name": "R", "language": "R"}
+    nbformat.write(nb, r)
+    return [odd, none, r]
+
+
+def test_declared_parameters_read_as_papermill_reads_them_without_importing_it(tmp_path):
+    import papermill
+
+    shipped = sorted((Path(pipeline.NOTEBOOKS_DIR)).glob("*.ipynb"))
+    assert len(shipped) >= 5
+    for path in shipped + _odd_notebooks(tmp_path) + [write_notebook(tmp_path / "tiny.ipynb")]:
+        assert pipeline.declared_parameters(path) == papermill.inspect_notebook(str(path)), path.name
+    assert set(pipeline.declared_parameters(tmp_path / "odd.ipynb")) == {"a", "b", "c", "d", "e", "h", "out_dir"}
+    # a fresh interpreter reads a Python notebook's parameters without papermill (seconds of imports)
+    code = ("import sys; from workbench import pipeline; "
+            f"d = pipeline.declared_parameters({str(shipped[0])!r}); "
+            "print(bool(d), 'papermill' in sys.modules, 'jsonschema' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", "False"]
+
+
+RESULTS_BODY = BODY + textwrap.dedent("""
+    import xarray as xr
+    xr.Dataset({"loss": ("loop", [3.0, 2.0 - 0.1 * x, 2.5])}, coords={"loop": [1, 2, 3]}).to_netcdf(
+        Path(out_dir, "results.nc"), engine="h5netcdf")""")
+HEAVY = ("torch", "papermill", "nbconvert", "nbformat", "jsonschema", "xarray", "workbench.experiments")
+
+
+def test_rerun_of_a_finished_pipeline_checks_renders_and_reads_nothing_again(project, monkeypatch):
+    """A re-run of a finished pipeline (in a fresh interpreter, as `workbench run`) reports without importing the
+    notebooks' library checks (torch), papermill, nbconvert or xarray; unchanged notebook.html files stay as
+    they are, and one whose notebook.ipynb changed is rendered again. Checks still run for runs that will run."""
+    nb_path = write_notebook(project / "notebooks" / "tiny.ipynb", RESULTS_BODY)
+    nb = nbformat.read(nb_path, as_version=4)
+    nb.metadata["workbench"] = {"check": "workbench.experiments:check_train_notebook"}  # imports torch
+    nbformat.write(nb, nb_path)
+    s = spec(project, "name: fin\nsteps:\n  - {name: a, notebook: tiny, grid: {x: [1, 2]}}\n")
+    runs = project / "runs"
+    checked = []
+
+    def check(params):  # stands in for the torch-importing check (which would reject these parameters)
+        checked.append(params["x"])
+        if params["x"] == 9:
+            raise ValueError("x=9 is invalid: the check says no")
+
+    monkeypatch.setattr(pipeline, "_declared_check", lambda notebook: check)
+    assert pipeline.run(s, runs_dir=runs, log=None).ok and sorted(checked) == [1, 2]
+    pages = {j.key: j.dir / "notebook.html" for j in pipeline.expand(pipeline.load_spec(s), runs)}
+    before = {k: (p.read_bytes(), p.stat().st_mtime_ns) for k, p in pages.items()}
+    first_report = (runs / "fin" / "report.html").read_text()
+    assert first_report.count('data-key="best_r"') == 2
+
+    # the real runner in a fresh interpreter; the digest this process keyed with, so an edit of the library
+    # made meanwhile (by someone else) does not turn the re-run into a run
+    code = textwrap.dedent(f"""\
+        import json, sys
+        from workbench import pipeline
+        pipeline._source_digest = lambda root: {pipeline.library_digest()!r}
+        from workbench.cli import main
+        rc = main(["run", {str(s)!r}, "--runs", {str(runs)!r}, "--quiet"])
+        print(json.dumps([rc, [m for m in {HEAVY!r} if m in sys.modules]]))""")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=project)
+    assert out.returncode == 0, out.stderr
+    assert "0 ran, 2 already complete" in out.stdout
+    assert json.loads(out.stdout.splitlines()[-1]) == [0, []]
+    assert {k: (p.read_bytes(), p.stat().st_mtime_ns) for k, p in pages.items()} == before
+    strip = lambda t: t[:t.index(" · written")] + t[t.index("</p>", t.index(" · written")):]  # noqa: E731
+    assert strip((runs / "fin" / "report.html").read_text()) == strip(first_report)  # cached numbers, same page
+
+    # a changed executed notebook is rendered again; the other page stays
+    changed, kept = sorted(pages)
+    run_nb = nbformat.read(pages[changed].with_name("notebook.ipynb"), as_version=4)
+    run_nb.cells.append(nbformat.v4.new_markdown_cell("an added note"))
+    nbformat.write(run_nb, pages[changed].with_name("notebook.ipynb"))
+    pipeline.report(s, runs_dir=runs)
+    assert "an added note" in pages[changed].read_text()
+    assert (pages[kept].read_bytes(), pages[kept].stat().st_mtime_ns) == before[kept]
+
+    # checks skip only completed runs: a new value is checked (and rejected) before anything runs
+    checked.clear()
+    s.write_text(s.read_text().replace("x: [1, 2]", "x: [1, 2, 9]"))
+    with pytest.raises(pipeline.PipelineError, match="x=9 is invalid: the check says no"):
+        pipeline.run(s, runs_dir=runs, log=None)
+    assert checked == [9] and len(pipeline.find_runs("fin", "a", runs)) == 2

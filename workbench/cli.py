@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from . import LoopConfig, __version__
+from . import __version__
 
 
 def demo(steps: int = 200, seed: int = 0, max_loops: int = 8, progress: bool = True) -> dict[int, float]:

@@ -55,10 +55,10 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import time
 import traceback
-from unittest import mock
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -341,11 +341,63 @@ def expand(pipe: Pipeline, runs_dir: str | os.PathLike = "runs") -> list[RunJob]
 
 
 # ---- validation ------------------------------------------------------------------------------------------
-def declared_parameters(notebook: str | os.PathLike) -> dict[str, dict]:
-    """Return the notebook's declared parameters {name: {inferred_type_name, default, help}} (papermill)."""
-    import papermill
+# papermill's PythonTranslator.PARAMETER_PATTERN (papermill 2.x), so a parameter line parses the same in both
+_PARAMETER_LINE = re.compile(
+    r"^(?P<target>\w[\w_]*)\s*(:\s*[\"']?(?P<annotation>\w[\w_\[\],\s]*)[\"']?\s*)?=\s*(?P<value>.*?)"
+    r"(\s*#\s*(type:\s*(?P<type_comment>[^\s]*)\s*)?(?P<help>.*))?$")
+_PYTHON_KERNELS = ("python3", "python")  # kernels papermill inspects with its PythonTranslator
 
-    return papermill.inspect_notebook(str(notebook))
+
+def declared_parameters(notebook: str | os.PathLike) -> dict[str, dict]:
+    """Return the notebook's declared parameters {name: {name, inferred_type_name, default, help}}, as papermill's.
+
+    A Python notebook's parameters cell is parsed here, line by line as `papermill.inspect_notebook` does
+    (tests/test_pipeline.py checks they agree on every notebook): importing papermill costs seconds (its
+    notebook schema validator), more than a re-run of a finished pipeline may take. Other notebooks go
+    to papermill itself.
+    """
+    nb = json.loads(Path(notebook).read_text())
+    meta = nb.get("metadata") or {}
+    kernel = (meta.get("kernelspec") or {}).get("name")
+    language = (meta.get("language_info") or {}).get("name") or (meta.get("kernelspec") or {}).get("language")
+    if nb.get("nbformat") != 4 or kernel not in _PYTHON_KERNELS or language != "python":
+        import papermill
+
+        return papermill.inspect_notebook(str(notebook))
+    for cell in nb.get("cells", []):
+        if "parameters" in ((cell.get("metadata") or {}).get("tags") or []):
+            source = cell.get("source", "")
+            return {p["name"]: p for p in _parse_parameters(source if isinstance(source, str) else "".join(source))}
+    return {}
+
+
+def _parse_parameters(source: str) -> list[dict]:
+    """Return the parameters a Python parameters cell declares, parsed as papermill's PythonTranslator.inspect does."""
+    def flatten(lines: list[str]) -> str:  # a multi-line value: comments dropped except on its last line
+        return "".join((ln[:ln.index("#")] if "#" in ln else ln).strip() for ln in lines[:-1]) + \
+            (lines[-1].strip() if lines else "")
+
+    groups, acc = [], []
+    for line in source.splitlines():
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        n = line.count("=")
+        if n:
+            groups.append(flatten(acc))
+            acc = []
+            if n > 1:  # papermill skips (and warns about) a line with two '=': so does the runner
+                continue
+        acc.append(line)
+    groups.append(flatten(acc))
+    params = []
+    for definition in groups:
+        m = _PARAMETER_LINE.match(definition) if definition else None
+        if m is None or m["target"] is None:
+            continue
+        params.append({"name": m["target"].strip(),
+                       "inferred_type_name": str(m["annotation"] or m["type_comment"] or None).strip(),
+                       "default": str(m["value"]).strip(), "help": str(m["help"] or "").strip()})
+    return params
 
 
 def _type_ok(value: Any, type_name: str) -> bool:
@@ -397,8 +449,19 @@ def _defaults(decl: dict) -> dict:
     return out
 
 
+def _complete(job: RunJob) -> bool:
+    """Return True when the job's run folder holds a finished, successful run (its record says done)."""
+    rec = read_record(job.dir)
+    return rec is not None and rec.get("status") == "done"
+
+
 def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
-    """Raise PipelineError listing every unknown parameter name and wrong type; return None when all are valid."""
+    """Raise PipelineError listing every unknown parameter name, wrong type and failed check; return None when all pass.
+
+    Names and types are checked for every job; a notebook's library check only for jobs that will run:
+    a run already done under the same key had these exact parameters, notebook and library, so the check
+    passed then, and importing it (the library, torch) would cost a finished pipeline's re-run seconds.
+    """
     problems: list[str] = []
     declared = {}
     for step in pipe.steps:
@@ -441,10 +504,12 @@ def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
             else:
                 continue
             mistyped.add(job.key)
-    checks = {step.name: _declared_check(step.notebook) for step in pipe.steps if declared.get(step.name)}
-    for job in jobs:
+    to_run = [job for job in jobs if job.key not in mistyped and not _complete(job)]
+    checks = {step.name: _declared_check(step.notebook) for step in pipe.steps
+              if declared.get(step.name) and any(job.step == step.name for job in to_run)}
+    for job in to_run:
         check = checks.get(job.step)
-        if check is None or job.key in mistyped:
+        if check is None:
             continue
         try:
             check({**_defaults(declared[job.step]), **job.params})
@@ -508,6 +573,8 @@ def execute_run(job: RunJob) -> dict:
 
     Never raises for a failing notebook: the error and the output notebook are recorded instead.
     """
+    from unittest import mock  # here, not at the top: it imports asyncio, which a re-run that executes nothing skips
+
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -1059,7 +1126,9 @@ def clean(spec: str | os.PathLike, runs_dir: str | os.PathLike = "runs", failed_
 # The executed notebook as a report: inputs collapsed under "code" (results read first), no In/Out prompts,
 # nothing fetched from the network (no require.js, MathJax or Mermaid from a CDN), plotly.js from the
 # pipeline folder, and a visible message where it did not load.
-_EXPORT_MARK = '<meta name="workbench-export" content="3">'  # bump to rewrite older notebook.html files
+_EXPORT_VERSION = 4  # bump to rewrite older notebook.html files
+_EXPORT_MARK = f'<meta name="workbench-export" content="{_EXPORT_VERSION}">'
+_STAMP_WITHIN = 1024  # bytes of notebook.html searched for its stamp (it follows the doctype)
 _NOTEBOOK_TEMPLATE = r"""{%- extends 'index.html.j2' -%}
 {%- block html_head_js -%}
 <script src="{{ resources.wb_plotly }}"></script>
@@ -1092,14 +1161,27 @@ main { max-width: 1100px; margin: 0 auto; }
 """
 
 
+def _html_stamp(nb_bytes: bytes, plotly_rel: str) -> str:
+    """Return the comment notebook.html carries: the export version, plotly's path and the executed notebook's sha256."""
+    digest = hashlib.sha256(nb_bytes).hexdigest()
+    return f"<!-- workbench-export {_EXPORT_VERSION} plotly={html.escape(plotly_rel)} notebook-sha256={digest} -->"
+
+
 def _notebook_html(run_dir: Path, plotly_rel: str) -> Path | None:
-    """Return the path of run_dir/notebook.html after (re)writing it from the executed notebook (None without one)."""
+    """Return the path of run_dir/notebook.html after (re)writing it from the executed notebook (None without one).
+
+    Rendered only when the HTML's stamp (`_html_stamp`: what it was rendered from) differs: nbconvert takes
+    about a second per notebook, and a finished run's notebook does not change. The stamp is a comment we
+    write ourselves, since nbconvert re-serialises the page's own tags (a <meta> mark never matched), and a
+    content hash, not an mtime, so a copied pipeline folder is not re-rendered.
+    """
     nb_path, out = run_dir / "notebook.ipynb", run_dir / "notebook.html"
     if not nb_path.exists():
         return None
-    if out.exists() and out.stat().st_mtime >= nb_path.stat().st_mtime:
+    stamp = _html_stamp(nb_path.read_bytes(), plotly_rel)
+    if out.exists():
         with open(out, "rb") as f:
-            if _EXPORT_MARK.encode() in f.read(4096):
+            if stamp.encode() in f.read(_STAMP_WITHIN):
                 return out
     import jinja2
     import nbformat
@@ -1114,6 +1196,9 @@ def _notebook_html(run_dir: Path, plotly_rel: str) -> Path | None:
         nbformat.read(nb_path, as_version=4),
         resources={"wb_plotly": plotly_rel, "wb_mark": _EXPORT_MARK,
                    "wb_missing": html.escape(f"{PLOTLY_MISSING} (looked for {plotly_rel})")})
+    # after the doctype: a comment before it would put browsers in quirks mode
+    head, _, rest = body.partition("\n")
+    body = f"{head}\n{stamp}\n{rest}" if head.lstrip().lower().startswith("<!doctype") else f"{stamp}\n{body}"
     atomic_write_bytes(out, body.encode())
     return out
 
@@ -1267,10 +1352,33 @@ def _figure_files(run_dir: Path) -> list[Path]:
     return sorted(files, key=lambda f: (f.stat().st_mtime, f.name))
 
 
-def _run_article(job: RunJob, rec: dict | None, root: Path, templates: dict, data_blocks: list) -> str:
-    """Return the HTML of one run: state, parameters, headline numbers, its figures inline and links to its data."""
+_SUMMARIES = ".report-summaries.json"  # in runs/<pipeline>/: each run's headline numbers, by results.nc's sha256
+
+
+def _results_summary(results: Path, cache: dict) -> tuple[list[Headline], Any]:
+    """Return (headlines, accuracy_table) of a results.nc, from `cache` when it holds them for this file and library.
+
+    Reading them takes xarray, pandas and h5netcdf (seconds to import) while a finished run's results do
+    not change: the entry is keyed by the file's sha256 and the library digest (which covers `headlines`).
+    Raises what reading the file raises; an unreadable file is not cached.
+    """
+    digest = hashlib.sha256(results.read_bytes()).hexdigest()
+    name = f"{results.parent.parent.name}/{results.parent.name}"
+    hit = cache.get(name)
+    if isinstance(hit, dict) and hit.get("sha256") == digest and hit.get("library") == library_digest():
+        return [Headline(*h) for h in hit["headlines"]], hit["table"]
     import xarray as xr
 
+    with xr.open_dataset(results, engine="h5netcdf") as ds:
+        heads, table = headlines(ds.load()), accuracy_table(ds)
+    cache[name] = {"sha256": digest, "library": library_digest(),
+                   "headlines": [[h.key, h.label, h.value, h.text] for h in heads], "table": table}
+    return heads, table
+
+
+def _run_article(job: RunJob, rec: dict | None, root: Path, templates: dict, data_blocks: list,
+                 summaries: dict | None = None) -> str:
+    """Return the HTML of one run: state, parameters, headline numbers, its figures inline and links to its data."""
     esc = html.escape
     state = rec["status"] if rec else "pending"
     rel = f"{job.step}/{job.key}"
@@ -1287,8 +1395,7 @@ def _run_article(job: RunJob, rec: dict | None, root: Path, templates: dict, dat
     results = job.dir / "results.nc"
     if rec and results.exists():
         try:
-            with xr.open_dataset(results, engine="h5netcdf") as ds:
-                heads, table = headlines(ds.load()), accuracy_table(ds)
+            heads, table = _results_summary(results, {} if summaries is None else summaries)
         except Exception as e:  # an unreadable file is shown, not fatal to the report
             heads, table = [], None
             parts.append(f'<pre class="err">results.nc could not be read: {esc(str(e))}</pre>')
@@ -1363,6 +1470,12 @@ def report(spec: str | os.PathLike | Pipeline, profile: str | None = None,
     data_blocks: list[str] = []
     sections, counts = [], {}
     jobs = expand(pipe, runs_dir)
+    cache_path = root / _SUMMARIES
+    try:
+        summaries = json.loads(cache_path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: every summary is read again
+        summaries = {}
+    cached = json.dumps(summaries, sort_keys=True)
     for step in pipe.steps:
         articles = []
         for job in (j for j in jobs if j.step == step.name):
@@ -1370,10 +1483,12 @@ def report(spec: str | os.PathLike | Pipeline, profile: str | None = None,
             counts[rec["status"] if rec else "pending"] = counts.get(rec["status"] if rec else "pending", 0) + 1
             if rec:
                 _notebook_html(job.dir, "../../plotly.min.js")
-            articles.append(_run_article(job, rec, root, templates, data_blocks))
+            articles.append(_run_article(job, rec, root, templates, data_blocks, summaries))
         sections.append(f'<section id="step-{esc(step.name)}"><h2>{esc(step.name)} '
                         f'<span class="meta">notebook {esc(step.notebook.name)} · {len(articles)} '
                         f'run{"s" * (len(articles) != 1)}</span></h2>\n' + "\n".join(articles) + "</section>")
+    if json.dumps(summaries, sort_keys=True) != cached:
+        atomic_write_bytes(cache_path, json.dumps(summaries, sort_keys=True).encode())
     nav = " ".join(f'<a href="#step-{esc(s.name)}">{esc(s.name)}</a>' for s in pipe.steps)
     tally = ", ".join(f"{n} {s}" for s, n in counts.items())
     templates_json = json.dumps(templates).replace("</", "<" + chr(92) + "/")
