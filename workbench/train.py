@@ -64,6 +64,7 @@ from .config import LoopConfig, check_bool, check_choice, check_float, check_int
 from .io import holds_run, load_tensors, mark_failed, provenance, read_json, save_netcdf, write_progress
 from .models.looped import LoopLM
 from .models.precision import autocast, check_precision, precision_name, use_bf16
+from .optim import Muon
 
 SCHEDULES = ("cosine", "wsd", "constant")
 LOOP_SAMPLERS = ("fixed", "uniform", "poisson_lognormal")
@@ -244,8 +245,8 @@ def make_optimizers(model: torch.nn.Module, tc: TrainConfig) -> list[torch.optim
     muon, adamw = param_groups(model)
     opts = []
     if tc.muon and muon:
-        opts.append(torch.optim.Muon([p for _, p in muon], lr=tc.lr, weight_decay=tc.weight_decay,
-                                     adjust_lr_fn="match_rms_adamw"))
+        opts.append(Muon([p for _, p in muon], lr=tc.lr, weight_decay=tc.weight_decay,
+                         adjust_lr_fn="match_rms_adamw"))
     else:
         adamw = muon + adamw
     opts.append(torch.optim.AdamW([p for _, p in adamw], lr=tc.lr, weight_decay=tc.weight_decay,
