@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRAS ?= dev
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-fast bench clean
 
 # The stamp depends on what decides the install, so an edited pyproject re-installs.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -22,8 +22,16 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/workbench run quickstart
 
+# both cores: pytest-xdist workers of one torch thread each (tests/conftest.py); tests that share a trained
+# fixture run on one worker (--dist loadgroup)
+XDIST := -n auto --dist loadgroup
+
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
+
+# the edit-test loop: every tier but `slow` and `browser` (tests/conftest.py names the tiers)
+test-fast: venv
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not browser" tests
 
 bench: venv
 	$(PY) benchmarks/bench_model.py

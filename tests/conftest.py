@@ -1,10 +1,20 @@
-"""Suite-wide switch and shared fixture: in CI a skipped test is a failure; one demo model trained per session.
+"""Suite-wide switch, tiers, workers and shared fixture: in CI a skipped test is a failure; one demo model per session.
 
 `.ci/run` sets WORKBENCH_NO_SKIPS=1. CI installs every extra (`make test` installs `.[dev]`, the
 SmolLM2 GGUF and Debian's chromium), so there a test that skips (an `importorskip` of an extra, a
 missing browser, a module skipped at collection) means the install broke: the skip is reported as a
 failure naming its reason. Without the variable (a checkout without the extras) skips stay skips.
 Core dependencies (torch, numpy, xarray, h5netcdf, ...) are imported by the tests, never skipped on.
+
+Tiers: `slow` (kernel starts, torchrun launches, CPU compiles, long training), `browser` (Chromium
+through Playwright) and `gpu` (a CUDA device) are registered here; `make test` runs every tier,
+`make test-fast` leaves out `slow` and `browser`.
+
+Workers: `make test` runs under pytest-xdist (`-n 2 --dist loadgroup`). Each worker runs torch on
+one thread, and so do the kernels and subprocesses it starts (OMP/MKL_NUM_THREADS=1 in its
+environment): two workers of two threads would oversubscribe two cores. Tests that share a module- or
+session-scoped fixture of ours (a trained model, a CLI run) are put in one `xdist_group`, so that fixture
+is built once, on one worker, instead of once per worker.
 
 `demo_trained` trains the demo model once for the whole session, for every test that needs a model
 that has learned something (so the suite pays for one such training, not three).
@@ -14,13 +24,28 @@ import os
 
 import pytest
 
+TIERS = {
+    "slow": "takes seconds to minutes: kernel starts, torchrun launches, CPU compiles, long training (make test-fast skips it)",
+    "browser": "drives Debian's chromium through Playwright (make test-fast skips it)",
+    "gpu": "needs a CUDA device (skipped without one, allowed in CI)",
+}
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # set in each pytest-xdist worker process
+
 STRICT = os.environ.get("WORKBENCH_NO_SKIPS", "") == "1"
 # skip reasons CI may meet because no CI machine can satisfy them (not a package CI installs)
 CI_MAY_SKIP = ("needs a CUDA device",)
 
 
 def pytest_configure(config):
-    """Return None; under the switch, collection errors (failed skips) do not stop the other tests."""
+    """Return None; registers the tiers, gives an xdist worker one thread, and under the switch keeps collecting."""
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+    if WORKER:  # before any test imports torch's thread pools; subprocesses and kernels inherit the variables
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = "1"
+        import torch
+
+        torch.set_num_threads(1)
     if STRICT:  # a module failed for a skip at collection still lets every other test run and report
         config.option.continue_on_collection_errors = True
 
@@ -33,6 +58,36 @@ def _strict(rep) -> None:
     rep.outcome = "failed"
     rep.longrepr = (f"skipped with WORKBENCH_NO_SKIPS=1, where every dependency is installed (.ci/run): {reason}\n"
                     "fix the install (make test installs .[dev]) or unset WORKBENCH_NO_SKIPS outside CI")
+
+
+def _shared_fixtures(item) -> list[str]:
+    """Return the names of the module- or session-scoped fixtures of this suite (not pytest's own) the item uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    keys = []
+    for name, defs in (info.name2fixturedefs.items() if info else ()):
+        fixture = defs[-1]
+        if fixture.scope in ("module", "session") and fixture.baseid:  # baseid "": a plugin's (tmp_path_factory)
+            keys.append(f"{fixture.baseid}::{name}" if fixture.scope == "module" else name)
+    return keys
+
+
+def pytest_collection_modifyitems(config, items):
+    """Return None; tests sharing one of our module/session fixtures get one xdist_group (joined transitively)."""
+    parent: dict[str, str] = {}
+
+    def root(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    shared = {item.nodeid: _shared_fixtures(item) for item in items}
+    for keys in shared.values():
+        for k in keys[1:]:
+            parent[root(k)] = root(keys[0])
+    for item in items:
+        keys = shared[item.nodeid]
+        if keys and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -14,7 +14,8 @@ from workbench import LoopConfig, LoopLM
 from workbench.models import precision
 from workbench.train import Trainer, TrainConfig, compile_count, compiled_blocks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 VARIANTS = [
     {},

@@ -28,8 +28,9 @@ from workbench.viz.explorer import DEFAULT_TEXT
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason=f"{CHROMIUM} is absent (Debian's chromium; `.ci/run` installs it)")
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                 reason=f"{CHROMIUM} is absent (Debian's chromium; `.ci/run` installs it)")]
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 FIRST_RENDER_MS = 180_000  # first kernel start, torch import and training, on two shared cores

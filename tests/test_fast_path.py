@@ -77,16 +77,21 @@ def test_precision_and_compile_settings_are_checked_and_normalised():
         TrainConfig(steps=1, compile=1)
 
 
-def test_compile_auto_is_on_only_for_runs_long_enough_to_repay_it():
+def test_compile_auto_is_on_only_for_bf16_cpu_runs_long_enough_to_repay_it():
     cfg = LoopConfig(vocab_size=8192, d_model=256, n_heads=4, prelude=2, core=2, coda=2, loops=4, max_seq_len=256)
     model = LoopLM(cfg)
     tc = TrainConfig(steps=100, batch_size=8, seq_len=256)
     per_step = model.flops_per_token(4, 4, seq_len=256, include_head=True) * 8 * 256
     assert training_flops(model, tc, 100) == pytest.approx(100 * per_step)
-    short, why = compile_pays(model, tc, 100, "cpu")
+    amx, plain = "flags\t: fpu sse2 avx2 amx_bf16 amx_tile", "flags\t: fpu sse2 avx2"  # simulated CPUs
+    short, why = compile_pays(model, tc, 100, "cpu", cpuinfo=amx)
     assert not short and "too short" in why
-    long_, why = compile_pays(model, tc, 20_000, "cpu")
+    long_, why = compile_pays(model, tc, 20_000, "cpu", cpuinfo=amx)
     assert long_ and ">=" in why
+    # where the CPU trains in fp32 compiling measured no gain: off however long the run
+    fp32, why = compile_pays(model, tc, 20_000, "cpu", cpuinfo=plain)
+    assert not fp32 and "fp32 training" in why
+    assert not compile_pays(model, TrainConfig(steps=1, bf16="off"), 10**9, "cpu", cpuinfo=amx)[0]
     assert compile_pays(model, TrainConfig(steps=1, compile="on"), 1, "cpu")[0]
     assert not compile_pays(model, TrainConfig(steps=1, compile="off"), 10**9, "cpu")[0]
 

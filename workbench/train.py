@@ -137,7 +137,7 @@ class TrainConfig:
     device: str | None = None
     bf16: str = "auto"  # auto: bf16 autocast where the device does bf16 fast (models.precision); on; off
     compile: str = "auto"  # auto: compile the blocks when the run is long enough to repay a first compile of
-    # about a minute (training FLOPs >= COMPILE_AUTO_FLOPS, compile_pays); on; off
+    # about a minute (training FLOPs >= COMPILE_AUTO_FLOPS) and, on a CPU, only for bf16 training (compile_pays); on; off
     progress: bool = True
     loop1_distill: float = 0.0  # weight of KL(frozen reference || model) on loop-1 next-token distributions (0: off)
 
@@ -337,7 +337,9 @@ def per_loop_loss(model: LoopLM, tokens: torch.Tensor, labels: torch.Tensor, wei
 # the d=256 model, ~30 minutes of eager training, from which compiling saves ~4 minutes. On CUDA (an
 # H200, 2026-11-30) the compile took 5-15 s and made the step 1.39x faster for a 113M model (repaid
 # after 1.3e16 FLOPs, ~240 steps) and 1.4x for the launch-bound d=256 model (after 1.5e14 FLOPs), so
-# the threshold sits between the two.
+# the threshold sits between the two. On a CPU without AMX / AVX512-BF16 (fp32 training) the compiled
+# step ran at 0.98x of eager (2026-12-01, docs/benchmarks.md): no gain to repay the compile, so "auto"
+# compiles on a CPU only where the run trains in bf16 autocast on a CPU that does bf16 fast.
 COMPILE_AUTO_FLOPS = {"cpu": 1.5e14, "cuda": 5e15}
 _COMPILED: dict[str, Any] = {}  # torch.compile of Block.forward / Block.delta, made once per process
 
@@ -353,10 +355,10 @@ def training_flops(model: LoopLM, tc: TrainConfig, steps: int, world: int = 1) -
 
 
 def compile_pays(model: LoopLM, tc: TrainConfig, steps: int, device: torch.device | str,
-                 world: int = 1) -> tuple[bool, str]:
+                 world: int = 1, cpuinfo=None) -> tuple[bool, str]:
     """Return (compile?, why) for tc.compile on `device`: "on" and "off" as given; "auto" compiles when the
-    run's training FLOPs reach COMPILE_AUTO_FLOPS[device type] and (on a CPU) a C++ compiler is there for
-    inductor's kernels."""
+    run's training FLOPs reach COMPILE_AUTO_FLOPS[device type] and (on a CPU) the run trains in bf16 on a CPU
+    with AMX / AVX512-BF16 and a C++ compiler is there for inductor's kernels (`cpuinfo` simulates a CPU)."""
     import shutil
 
     if tc.compile != "auto":
@@ -365,6 +367,9 @@ def compile_pays(model: LoopLM, tc: TrainConfig, steps: int, device: torch.devic
     limit = COMPILE_AUTO_FLOPS.get(device.type)
     if limit is None:
         return False, f"compile=auto: not measured on {device.type}, so off"
+    if device.type == "cpu" and not use_bf16(tc.bf16, device, cpuinfo):
+        return False, ("compile=auto: fp32 training on this CPU (no AMX / AVX512-BF16 in use), where compiling "
+                       "measured no gain (0.98x of eager), so off")
     flops = training_flops(model, tc, steps, world)
     if flops < limit:
         return False, (f"compile=auto: {flops:.2g} training FLOPs < {limit:.2g}, too short to repay a first "
