@@ -88,6 +88,14 @@ def pytest_collection_modifyitems(config, items):
         keys = shared[item.nodeid]
         if keys and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(root(keys[0])))
+    if WORKER:  # slow units first, so the long ones start while short ones fill the other worker's time
+        def unit(item) -> str:
+            mark = item.get_closest_marker("xdist_group")
+            return mark.args[0] if mark and mark.args else item.nodeid
+
+        slow = {unit(i) for i in items if i.get_closest_marker("slow") or i.get_closest_marker("browser")}
+        order = {u: n for n, u in enumerate(dict.fromkeys(unit(i) for i in items))}  # a unit stays together
+        items.sort(key=lambda i: (unit(i) not in slow, order[unit(i)]))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -146,6 +146,7 @@ def test_a_cli_run_opens_in_the_explorer(cli_run):
             torch.testing.assert_close(ex.model(ids, loops=r).logits, again.model(ids, loops=r).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_loop_sweep_notebook_runs_on_a_cli_run(cli_run, tmp_path):
     import nbformat
     import numpy as np

@@ -294,6 +294,7 @@ def test_sampler_bad_args():
         BatchSampler(tokens.reshape(10, 10), batch_size=1, seq_len=4)
 
 
+@pytest.mark.slow
 def test_pretrained_smollm2_tokenizer_from_the_gguf(tmp_path):
     import importlib.util
 

@@ -22,6 +22,7 @@ import xarray as xr
 import ddp_worker
 from workbench.io import load_tensors
 
+pytestmark = pytest.mark.slow  # every test launches torchrun (two ranks, each a fresh torch import)
 WORKER = Path(ddp_worker.__file__)
 MATCHED = ("truncated_no_inject", "depth_sampling", "history_w2", "hyper", "timestep", "per_loop", "retrofit")
 

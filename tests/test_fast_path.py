@@ -97,14 +97,19 @@ def test_compile_auto_is_on_only_for_bf16_cpu_runs_long_enough_to_repay_it():
 
 
 # ---- bf16 training: a real comparison ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bf16_training_reaches_the_fp32_validation_loss_within_2_percent():
+    """100 steps (300 before): both runs have learned (training loss 2.23 from 5.40) and their validation losses
+    differ by 0.2% (2.189 bf16, 2.193 fp32; 2026-12-01, a CPU without bf16 units, where bf16 is emulated and
+    these 100 steps take 54 s against fp32's 10 s): the 2% bound still separates a working bf16 path from one
+    whose rounding broke training."""
     data = stdlib_tokens(400_000)
     train, val = data[:360_000], data[360_000:]
     cfg = LoopConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, prelude=1, core=1, coda=1, loops=3,
                      max_seq_len=64, inject="channel")
     losses, curves = {}, {}
     for mode in ("off", "on"):
-        tc = TrainConfig(steps=300, batch_size=16, seq_len=64, lr=1e-2, warmup=20, progress=False, bf16=mode,
+        tc = TrainConfig(steps=100, batch_size=16, seq_len=64, lr=1e-2, warmup=20, progress=False, bf16=mode,
                          compile="off", eval_batches=8, seed=0)
         t = Trainer(cfg, tc, train, val)
         t.run()
@@ -174,6 +179,7 @@ def compiled_model():
     return model, x, y, warm, compile_count() - before
 
 
+@pytest.mark.slow
 def test_compiled_blocks_give_eager_losses_and_gradients(compiled_model):
     model, x, y, warm, graphs = compiled_model
     assert graphs >= 2  # it really compiled (forward for prelude/coda, delta for the hyper-connected core)
@@ -190,6 +196,7 @@ def test_compiled_blocks_give_eager_losses_and_gradients(compiled_model):
     assert not torch.equal(warm[(3, 1)][1]["prelude.0.mlp.down.weight"], warm[(3, 3)][1]["prelude.0.mlp.down.weight"])
 
 
+@pytest.mark.slow
 def test_a_new_loop_count_reuses_the_compiled_blocks(compiled_model):
     model, x, y, _, _ = compiled_model
     before = compile_count()
@@ -200,6 +207,7 @@ def test_a_new_loop_count_reuses_the_compiled_blocks(compiled_model):
     assert compile_count() == before  # no recompile for any of them
 
 
+@pytest.mark.slow
 def test_the_trainer_compiles_blocks_not_the_model(compiled_model, tmp_path):
     _, x, y, _, _ = compiled_model
     data = np.random.default_rng(0).integers(0, 128, 4000).astype(np.uint16)
@@ -258,6 +266,7 @@ NOTEBOOK_SOURCE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_workbench_run_prints_a_progress_line_before_the_run_ends_in_a_non_tty(tmp_path):
     import nbformat
 
@@ -295,7 +304,8 @@ def test_quiet_turns_the_live_progress_off(monkeypatch):
     assert seen == [False, True]
 
 
-def test_on_a_terminal_the_status_line_is_redrawn_and_log_lines_print_below_it(tmp_path):
+def test_on_a_terminal_the_status_line_is_redrawn_and_log_lines_print_below_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width, which a test worker may not have
     import fcntl
     import io as _io
     from pathlib import Path

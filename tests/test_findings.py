@@ -151,6 +151,7 @@ def test_allocation_summary_measures_each_model_per_sequence_with_a_bootstrap_in
 DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs"
 
 
+@pytest.mark.slow
 def test_committed_allocation_findings_hold_the_numbers_the_document_quotes():
     from workbench.experiments.findings import markdown_rows
 

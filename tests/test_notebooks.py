@@ -126,6 +126,7 @@ def check_no_echoes(path) -> None:
             assert "Path(" not in text, f"{path}: a cell echoes {text!r}:\n{c.source}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PIPELINES)
 def test_smoke_pipeline(name, tmp_path):
     runs = tmp_path / "runs"
@@ -232,6 +233,7 @@ def check_quickstart(runs: Path) -> None:
             torch.testing.assert_close(ex.model(ids, loops=r).logits, run.model(ids, loops=r).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(STANDALONE))
 def test_standalone_notebook(name, tmp_path, monkeypatch):
     out = tmp_path / "out.ipynb"

@@ -98,6 +98,7 @@ def value(run_dir) -> float:
     return json.loads((Path(run_dir) / "out.json").read_text())["value"]
 
 
+@pytest.mark.slow
 def test_run_chains_steps_and_rerun_skips_everything(project):
     s = spec(project)
     runs = project / "runs"
@@ -118,6 +119,7 @@ def test_run_chains_steps_and_rerun_skips_everything(project):
     assert executions(project) == 7  # nothing executed
 
 
+@pytest.mark.slow
 def test_changed_parameter_or_notebook_reruns_only_what_changed(project):
     s = spec(project)
     runs = project / "runs"
@@ -180,6 +182,7 @@ def test_malformed_specs_name_the_problem(project, text, message):
         pipeline.load_spec(s)
 
 
+@pytest.mark.slow
 def test_failed_run_is_recorded_others_go_on_and_exit_is_nonzero(project, capsys):
     text = SPEC.replace("grid: {x: [1, 2, 3]}", "grid: {x: [1, 2, 3]}\n    cases: [{fail: false}, {fail: true}]")
     s = spec(project, text)
@@ -220,6 +223,7 @@ def test_interrupted_run_restarts_in_its_folder(project):
     assert value(job.dir) == 7
 
 
+@pytest.mark.slow
 def test_report_links_every_run_and_renders_notebooks(project):
     s = spec(project)
     runs = project / "runs"
@@ -232,6 +236,7 @@ def test_report_links_every_run_and_renders_notebooks(project):
     assert (runs / "demo" / "plotly.min.js").stat().st_size > 1_000_000
 
 
+@pytest.mark.slow
 def test_two_pipelines_at_once_do_not_clobber(project):
     """Two different pipelines and the same pipeline twice, all at once in separate processes."""
     s1 = spec(project, SPEC, "one.yaml")
@@ -249,6 +254,7 @@ def test_two_pipelines_at_once_do_not_clobber(project):
     assert not list(runs.glob("*/*/.*.partial"))
 
 
+@pytest.mark.slow
 def test_dask_executor_on_a_local_cluster(project):
     distributed = pytest.importorskip("distributed")
     s = spec(project)
@@ -270,6 +276,7 @@ THREADS_BODY = textwrap.dedent("""\
     Path(out_dir, "out.json").write_text(json.dumps({"value": x, "threads": torch.get_num_threads()}))""")
 
 
+@pytest.mark.slow
 def test_dask_without_scheduler_splits_the_cores_and_a_dying_worker_fails_only_its_run(project):
     """No scheduler: a LocalCluster of --jobs 2 workers; each kernel's torch sees its worker's share of the cores
     (1 on 2 cores), and the run whose worker is SIGKILLed mid-run is recorded failed while the others finish."""
@@ -288,6 +295,7 @@ def test_dask_without_scheduler_splits_the_cores_and_a_dying_worker_fails_only_i
         assert json.loads((Path(rows[x]["dir"]) / "out.json").read_text()) == {"value": x, "threads": share}
 
 
+@pytest.mark.slow
 def test_local_threads_fix_every_kernels_torch_threads_and_leave_the_callers_environment(project, monkeypatch, capsys):
     """--threads 1: each kernel's torch runs 1 thread, whether runs execute in pool processes (--jobs 2) or,
     one at a time, in this process, whose own OMP_NUM_THREADS (all the cores here, what a lone run would
@@ -375,6 +383,7 @@ def test_editing_the_library_changes_the_key_of_every_step(project, library_copy
     assert {j.key for j in pipeline.expand(pipe, project / "runs")} == {j.key for j in after}  # stable otherwise
 
 
+@pytest.mark.slow
 def test_status_marks_runs_of_older_library_code_stale(project, library_copy, capsys):
     s = spec(project, CHAIN)
     runs = project / "runs"
@@ -455,6 +464,7 @@ RESULTS_BODY = BODY + textwrap.dedent("""
 HEAVY = ("torch", "papermill", "nbconvert", "nbformat", "jsonschema", "xarray", "workbench.experiments")
 
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_pipeline_checks_renders_and_reads_nothing_again(project, monkeypatch):
     """A re-run of a finished pipeline (in a fresh interpreter, as `workbench run`) reports without importing the
     notebooks' library checks (torch), papermill, nbconvert or xarray; unchanged notebook.html files stay as

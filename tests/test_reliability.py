@@ -120,6 +120,7 @@ def test_diverged_cli_run_exits_non_zero_and_saves_nothing_non_finite(tmp_path, 
     assert not (tmp_path / "dv" / "results.nc").exists()  # the run is not complete
 
 
+@pytest.mark.slow
 def test_a_diverged_pipeline_step_fails_and_blocks_its_dependants(tmp_path):
     from workbench import pipeline
 
@@ -252,6 +253,7 @@ def straight(corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", -signal.SIGTERM)])
 def test_a_signal_saves_and_resume_ends_bit_identical(sig, code, corpus, straight, tmp_path):
     script = tmp_path / "signaller.py"

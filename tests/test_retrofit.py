@@ -137,6 +137,7 @@ TEXT = ("The Eiffel Tower was completed in 1889 for the World's Fair in Paris. A
         "it, but it soon became the most recognisable symbol of the city and of France itself.")
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_smollm2_loops1_equals_the_base_model(smollm2):
     base, tok = smollm2
@@ -429,6 +430,7 @@ def test_per_loop_loss_with_per_example_weights_equals_slow_reference():
         per_loop_loss(model, x, labels, torch.ones(5, 3))
 
 
+@pytest.mark.slow
 def test_per_loop_supervision_solves_iterated_steps_beyond_one_step():
     torch.manual_seed(0)
     tok = ByteTokenizer(V)

@@ -230,6 +230,7 @@ def test_example_batches_grade_each_loop_on_its_step():
     assert (final["labels"][:, :3] == -100).all()
 
 
+@pytest.mark.slow
 def test_a_tiny_looped_model_solves_iterated_steps_at_depth_4():
     """Per-loop supervision: loop t is graded on the state after step t (x + t*c mod 10).
 
