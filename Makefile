@@ -20,7 +20,7 @@ venv: $(VENV)/.installed
 
 # the main job: the quickstart pipeline (train, loop sweep, geometry, lost gradient; report in runs/quickstart/)
 demo: venv
-	$(VENV)/bin/workbench run quickstart
+	$(VENV)/bin/workbench run quickstart --jobs 2
 
 # both cores: pytest-xdist workers of one torch thread each (tests/conftest.py); tests that share a trained
 # fixture run on one worker (--dist loadgroup)
