@@ -40,6 +40,8 @@ def pytest_configure(config):
     """Return None; registers the tiers, gives an xdist worker one thread, and under the switch keeps collecting."""
     for name, what in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    if not WORKER and config.getoption("dist", None) == "loadgroup":
+        _check_loadgroup()
     if WORKER:  # before any test imports torch's thread pools; subprocesses and kernels inherit the variables
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = "1"
@@ -48,6 +50,18 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     if STRICT:  # a module failed for a skip at collection still lets every other test run and report
         config.option.continue_on_collection_errors = True
+
+
+def _check_loadgroup() -> None:
+    """Return None if this pytest / pytest-xdist pair honours --dist loadgroup's xdist_group; else stop the run."""
+    import xdist
+    from packaging.version import Version
+
+    # xdist 3.8 names a group by rewriting item._nodeid, which pytest 9.2 no longer reads (nodeid comes from
+    # item._id): groups would be ignored silently and every shared fixture built once per worker
+    if Version(pytest.__version__) >= Version("9.2") and Version(xdist.__version__) <= Version("3.8.0"):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} ignores "
+                                "--dist loadgroup's groups: install the pins of constraints.txt (pytest<9.2)")
 
 
 def _strict(rep) -> None:
@@ -71,6 +85,7 @@ def _shared_fixtures(item) -> list[str]:
     return keys
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Return None; tests sharing one of our module/session fixtures get one xdist_group (joined transitively)."""
     parent: dict[str, str] = {}
@@ -129,3 +144,19 @@ def demo_trained():
 
     return demo_trainer(DEMO_STEPS, seed=0, progress=False)
 
+
+@pytest.fixture(scope="session")
+def smoke_quickstart(tmp_path_factory):
+    """(runs folder, PipelineResult) of the quickstart's smoke profile, run once per session through Dask.
+
+    Read by the smoke test of the pipelines (test_notebooks) and the browser test of the report
+    (test_explorer_browser), which treat the folder as read-only: four kernel starts paid once.
+    """
+    distributed = pytest.importorskip("distributed")
+    from workbench import pipeline
+
+    runs = tmp_path_factory.mktemp("smoke-quickstart") / "runs"
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as c:
+        result = pipeline.run("quickstart", profile="smoke", executor="dask", scheduler=c.scheduler_address,
+                              runs_dir=runs, log=None)
+    return runs, result

@@ -353,18 +353,30 @@ def open_offline(p, tmp_path, log: list):
     return ctx
 
 
-def test_report_and_notebook_read_offline_wherever_the_folder_goes(tmp_path):
+@pytest.fixture
+def moved_quickstart(smoke_quickstart, tmp_path):
+    """Yield a copy of the session's smoke quickstart folder, elsewhere, while the original is hidden.
+
+    The report and notebooks must not lean on where they were made: while this test reads the copy, the
+    folder they were made in does not exist under its name (renamed back afterwards, for other readers).
+    """
+    runs, result = smoke_quickstart
+    assert result.ok, result.summary()
+    moved = tmp_path / "elsewhere" / "copy of quickstart"
+    shutil.copytree(runs / "quickstart", moved)
+    hidden = runs.with_name(runs.name + ".hidden")
+    os.replace(runs, hidden)
+    try:
+        yield moved
+    finally:
+        os.replace(hidden, runs)
+
+
+def test_report_and_notebook_read_offline_wherever_the_folder_goes(moved_quickstart, tmp_path):
     import nbformat
     from playwright.sync_api import sync_playwright
 
-    from workbench import pipeline
-
-    result = pipeline.run("quickstart", profile="smoke", runs_dir=tmp_path / "runs", log=None)
-    assert result.ok, result.summary()
-    # move the pipeline folder elsewhere: the report and notebooks must not lean on where they were made
-    moved = tmp_path / "elsewhere" / "copy of quickstart"
-    shutil.copytree(tmp_path / "runs" / "quickstart", moved)
-    shutil.rmtree(tmp_path / "runs")
+    moved = moved_quickstart
     runs = {f"{d.parent.name}/{d.name}": d for d in moved.glob("*/*") if (d / "run.json").exists()}
     n_figures = {k: len(list((d / "figures").glob("*.json"))) for k, d in runs.items()}
     assert len(runs) == 4 and all(n_figures.values())
