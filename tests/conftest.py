@@ -13,8 +13,9 @@ through Playwright) and `gpu` (a CUDA device) are registered here; `make test` r
 Workers: `make test` runs under pytest-xdist (`-n 2 --dist loadgroup`). Each worker runs torch on
 one thread, and so do the kernels and subprocesses it starts (OMP/MKL_NUM_THREADS=1 in its
 environment): two workers of two threads would oversubscribe two cores. Tests that share a module- or
-session-scoped fixture of ours (a trained model, a CLI run) are put in one `xdist_group`, so that fixture
-is built once, on one worker, instead of once per worker.
+session-scoped fixture of ours (a trained model, a CLI run, the smoke quickstart) are put in one
+`xdist_group`, so that fixture is built once, on one worker, instead of once per worker; so are the
+browser tests, which starve each other of the cores.
 
 `demo_trained` trains the demo model once for the whole session, for every test that needs a model
 that has learned something (so the suite pays for one such training, not three).
@@ -95,7 +96,10 @@ def pytest_collection_modifyitems(config, items):
             k = parent[k]
         return k
 
-    shared = {item.nodeid: _shared_fixtures(item) for item in items}
+    # the browser tests run one after another on one worker: the explorer's live plots stayed empty for
+    # 3 minutes while the report's test ran the smoke quickstart through Dask beside it (2026-12-01)
+    shared = {item.nodeid: _shared_fixtures(item) + (["browser"] if item.get_closest_marker("browser") else [])
+              for item in items}
     for keys in shared.values():
         for k in keys[1:]:
             parent[root(k)] = root(keys[0])

@@ -79,11 +79,15 @@ KW = [dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),  # the tr
       dict(lr=1e-3, momentum=0.9, adjust_lr_fn="original", ns_steps=3)]
 
 
+def side_by_side(ns_dtype: torch.dtype, kw: dict):
+    """Return (our updates, torch's updates, our params, torch's params) after 4 steps on the same gradients."""
+    a, b = params(), params()
+    return run(Muon(a, ns_dtype=ns_dtype, **kw), a, grads(4)), run(torch.optim.Muon(b, **kw), b, grads(4)), a, b
+
+
 @pytest.mark.parametrize("kw", KW)
 def test_bf16_muon_is_torchs_muon_bit_for_bit(kw):
-    a, b = params(), params()
-    ours = run(Muon(a, ns_dtype=torch.bfloat16, **kw), a, grads(4))
-    torchs = run(torch.optim.Muon(b, **kw), b, grads(4))
+    ours, torchs, a, b = side_by_side(torch.bfloat16, kw)
     for step_ours, step_torch in zip(ours, torchs):
         for x, y in zip(step_ours, step_torch):
             assert torch.equal(x, y)
@@ -92,9 +96,7 @@ def test_bf16_muon_is_torchs_muon_bit_for_bit(kw):
 
 @pytest.mark.parametrize("kw", KW)
 def test_fp32_muon_points_where_torchs_muon_points(kw):
-    a, b = params(), params()
-    ours = run(Muon(a, ns_dtype=torch.float32, **kw), a, grads(4))
-    torchs = run(torch.optim.Muon(b, **kw), b, grads(4))
+    ours, torchs, _, _ = side_by_side(torch.float32, kw)
     for step_ours, step_torch in zip(ours, torchs):
         for x, y in zip(step_ours, step_torch):
             assert not torch.equal(x, y)  # really a different dtype
