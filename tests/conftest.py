@@ -10,7 +10,7 @@ Tiers: `slow` (kernel starts, torchrun launches, CPU compiles, long training), `
 through Playwright) and `gpu` (a CUDA device) are registered here; `make test` runs every tier,
 `make test-fast` leaves out `slow` and `browser`.
 
-Workers: `make test` runs under pytest-xdist (`-n 2 --dist loadgroup`). Each worker runs torch on
+Workers: `make test` runs under pytest-xdist (`-n auto --dist loadgroup`). Each worker runs torch on
 one thread, and so do the kernels and subprocesses it starts (OMP/MKL_NUM_THREADS=1 in its
 environment): two workers of two threads would oversubscribe two cores. Tests that share a module- or
 session-scoped fixture of ours (a trained model, a CLI run, the smoke quickstart) are put in one
