@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from workbench.models.precision import BF16_CPU_FLAGS, cpu_flags  # noqa: E402
+
 WORKBENCH = Path(sys.executable).parent / "workbench"
-
-
-def cpu_flags() -> str:
-    """Return the bf16 CPU flags of this machine (amx_bf16, avx512_bf16), or "neither"."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "neither (no /proc/cpuinfo)"
-    found = sorted(set(re.findall(r"amx_bf16|avx512_bf16", text)))  # as grep -o -E ... | sort -u
-    return ", ".join(found) or "neither"
 
 
 def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
@@ -53,7 +46,8 @@ def main() -> None:
     ap.add_argument("--spec", default="quickstart")
     ap.add_argument("--profile", default="smoke", help="profile of the spec ('' for none)")
     args = ap.parse_args()
-    print(f"CPU bf16 flags: {cpu_flags()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    flags = ", ".join(sorted(cpu_flags() & set(BF16_CPU_FLAGS))) or "neither"
+    print(f"CPU bf16 flags: {flags}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(args.runs).resolve() if args.runs else Path(tmp) / "runs"
         cmd = [str(WORKBENCH), "run", args.spec, "--runs", str(runs), "--quiet"]

@@ -96,6 +96,7 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        dtypes: dict[torch.device, torch.dtype] = {}  # resolved once per device and step, not per matrix
         for group in self.param_groups:
             lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
             lr = lr.squeeze() if torch.is_tensor(lr) else lr  # torch's _to_scalar
@@ -110,8 +111,10 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                if p.device not in dtypes:
+                    dtypes[p.device] = resolve_ns_dtype(self.ns_dtype, p.device)
                 update = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"],
-                                       resolve_ns_dtype(self.ns_dtype, p.device))
+                                       dtypes[p.device])
                 p.mul_(1 - lr * wd)
                 p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss

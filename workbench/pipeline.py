@@ -449,9 +449,8 @@ def _defaults(decl: dict) -> dict:
     return out
 
 
-def _complete(job: RunJob) -> bool:
-    """Return True when the job's run folder holds a finished, successful run (its record says done)."""
-    rec = read_record(job.dir)
+def _done(rec: dict | None) -> bool:
+    """Return True when a run record (read_record's, None for none) says the run finished successfully."""
     return rec is not None and rec.get("status") == "done"
 
 
@@ -504,7 +503,7 @@ def validate(pipe: Pipeline, jobs: list[RunJob]) -> None:
             else:
                 continue
             mistyped.add(job.key)
-    to_run = [job for job in jobs if job.key not in mistyped and not _complete(job)]
+    to_run = [job for job in jobs if job.key not in mistyped and not _done(read_record(job.dir))]
     checks = {step.name: _declared_check(step.notebook) for step in pipe.steps
               if declared.get(step.name) and any(job.step == step.name for job in to_run)}
     for job in to_run:
@@ -557,7 +556,7 @@ def _claimed(job: RunJob) -> Iterator[tuple[Path, Path, dict | None]]:
     final = Path(job.dir)
     with _locked(final.parent / f".{final.name}.lock"):
         rec = read_record(final)
-        done = {**rec, "skipped": True} if rec is not None and rec.get("status") == "done" else None
+        done = {**rec, "skipped": True} if _done(rec) else None
         yield final, final.parent / f".{final.name}.partial", done
 
 
@@ -1019,7 +1018,7 @@ def run(spec: str | os.PathLike, profile: str | None = None, jobs: int = 1, exec
             todo: list[RunJob] = []
             for job in (j for j in jobs_list if j.step in names):
                 rec = read_record(job.dir)
-                if rec is not None and rec.get("status") == "done":
+                if _done(rec):
                     records[job.key] = {**rec, "skipped": True}
                     continue
                 bad = [k for k in job.upstream if records.get(k, {}).get("status") != "done"]
