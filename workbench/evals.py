@@ -57,28 +57,39 @@ def _device(model: LoopLM, device) -> torch.device:
 
 @torch.no_grad()
 def sweep_tokens(model: LoopLM, batches: Iterable[torch.Tensor], loops: Sequence[int], device=None,
-                 progress: bool = True) -> xr.Dataset:
-    """Return a Dataset (dim `loop`) of next-token `loss` and `accuracy` over packed [B, T+1] batches."""
+                 progress: bool = True, per_sequence: bool = False) -> xr.Dataset:
+    """Return a Dataset (dim `loop`) of next-token `loss` and `accuracy` over packed [B, T+1] batches.
+
+    With `per_sequence`, also `sequence_loss` (dims `loop`, `sequence`): each row's mean loss, in the
+    order the rows came, so two models swept over the same rows can be compared row by row.
+    """
     from tqdm.auto import tqdm
 
     rs = _check_loops(loops)
     dev = _device(model, device)
     loss_sum, hit_sum, n_tok = defaultdict(float), defaultdict(float), 0
+    rows = defaultdict(list)  # per_sequence: loop -> each row's mean loss
     for batch in tqdm(batches, desc="loop sweep", disable=not progress):
         batch = torch.as_tensor(batch).to(dev)
         if batch.dim() != 2 or batch.shape[1] < 2:
             raise ValueError(f"batch shape {tuple(batch.shape)} is invalid: must be [B, T+1] with T >= 1")
         x, y = batch[:, :-1], batch[:, 1:]
         for r, logits in _logits_per_loop(model, x, rs):
-            loss_sum[r] += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
+            tok_loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")
+            loss_sum[r] += tok_loss.sum().item()
+            if per_sequence:
+                rows[r].extend(tok_loss.view(y.shape).mean(1).tolist())
             hit_sum[r] += (logits.argmax(-1) == y).sum().item()
         n_tok += y.numel()
     if n_tok == 0:
         raise ValueError("data is empty: no batches to evaluate")
-    return xr.Dataset(
+    ds = xr.Dataset(
         {"loss": ("loop", [loss_sum[r] / n_tok for r in rs]),
          "accuracy": ("loop", [hit_sum[r] / n_tok for r in rs])},
         coords={"loop": rs}, attrs=provenance(model.cfg, tokens=n_tok, training_loops=model.cfg.loops))
+    if per_sequence:
+        ds["sequence_loss"] = (("loop", "sequence"), np.array([rows[r] for r in rs]))
+    return ds
 
 
 @torch.no_grad()

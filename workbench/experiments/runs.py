@@ -200,7 +200,7 @@ class Run:
                                  "no experiment.json): retrain it with `workbench train` or train_run to get "
                                  "validation text")
             corpus = mixed_corpus(e["corpus"], e.get("tasks", []), e.get("task_ratio", 0.2),
-                                  e.get("task_depths") or None, seed=e.get("seed", 0),
+                                  e.get("task_depths") or None, seed=_data_seed(e),
                                   task_options=e.get("task_options") or None)
             self._data = tokenize_corpus(corpus, self.tokenizer, progress=False)
         return self._data
@@ -215,14 +215,20 @@ class Run:
     def task_examples(self, n: int = 64, seed: int = 1_000_003, beyond: bool = True) -> list:
         """Return n held-out task examples per task and depth (a seed the training mix never used).
 
-        Recall questions ask about the facts the run trained on (its world is the training seed's).
+        Recall questions ask about the facts the run trained on (its world is the run's data seed).
         With `beyond` (default) reasoning tasks are also drawn past their deepest trained depth, up to
         twice it, so accuracy can be read beyond the training depth.
         """
         e = self.experiment
         return _task_examples(e.get("tasks", []), e.get("task_depths") or None, n, seed,
                               beyond=check_bool("beyond", beyond), options=e.get("task_options") or None,
-                              world_seed=e.get("seed", 0))
+                              world_seed=_data_seed(e))
+
+
+def _data_seed(experiment: dict) -> int:
+    """Return the seed of a run's text, tokenizer and task world (`data_seed`; runs before it had only `seed`)."""
+    d = experiment.get("data_seed")
+    return int(experiment.get("seed", 0) if d is None else d)
 
 
 def load_run(path: str | os.PathLike, device=None) -> Run:
@@ -250,7 +256,8 @@ def _int_list(field: str, value: Any, lo: int, allow_none: bool = True) -> list[
 def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
                     tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
                     eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
-                    resume: bool = True, overwrite: bool = False, task_options: dict | None = None):
+                    resume: bool = True, overwrite: bool = False, task_options: dict | None = None,
+                    data_seed: int | None = None):
     """Return (LoopConfig, TrainConfig) that train_run's arguments describe, checking every one before any work.
 
     The LoopConfig's vocab_size is the one asked for (the tokenizer's real size replaces it later).
@@ -280,6 +287,8 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     if eval_loops is not None and not _int_list("eval_loops", eval_loops, 1):
         fail("eval_loops", eval_loops, "must be None or a non-empty list of integers >= 1")
     check_int("seed", seed, 0)
+    if data_seed is not None:
+        check_int("data_seed", data_seed, 0, allowed="must be None (the same as seed) or an integer >= 0")
     for name, v in (("progress", progress), ("resume", resume), ("overwrite", overwrite)):
         check_bool(name, v)
     if resume and overwrite:
@@ -345,7 +354,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
               tasks: Sequence[str] = (), task_ratio: float = 0.2, task_depths: Sequence[int] | None = None,
               eval_loops: Sequence[int] | None = None, seed: int = 0, progress: bool = False,
               resume: bool = True, overwrite: bool = False, nproc: int = 1,
-              task_options: dict | None = None) -> tuple[Run, xr.Dataset]:
+              task_options: dict | None = None, data_seed: int | None = None) -> tuple[Run, xr.Dataset]:
     """Return (Run, results Dataset) after training LoopConfig(**model) with TrainConfig(**train) on a corpus.
 
     `out_dir` becomes a run folder (layout in `workbench.io`). Every argument is checked first
@@ -356,7 +365,12 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     holds a run is refused unless `overwrite=True`, which removes the old run first. Results:
     validation loss and accuracy per loop (below, at and beyond K), the training curve, the parameter
     split N_once / N_rec, tokens seen, and per-loop task accuracy when tasks are mixed in. The same
-    data is written to `out_dir/results.nc`.
+    data is written to `out_dir/results.nc`, with `window_loss` (each held-out window's loss per loop
+    count, the unit a paired comparison between two runs of one data seed resamples).
+
+    `seed` draws the weights and the batch order; `data_seed` (default: `seed`) the text mix, the
+    tokenizer's sample and the recall world. Runs that share a data seed share a tokenizer, so their
+    losses are in the same units and seeds can replicate one comparison.
 
     Under torchrun (`torchrun --nproc_per_node N ...`) every process calls it alike: they join the
     process group (`train.init_distributed`) and train data-parallel; rank 0 alone writes the folder
@@ -369,14 +383,15 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     from ..train import Trainer, init_distributed
 
     cfg, tc = check_train_run(model, train, corpus, vocab_size, tasks, task_ratio, task_depths, eval_loops, seed,
-                              progress, resume, overwrite, task_options)
+                              progress, resume, overwrite, task_options, data_seed)
     check_int("nproc", nproc, 1)
+    data_seed = seed if data_seed is None else data_seed
     if nproc > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return _train_run_processes(nproc, dict(out_dir=str(out_dir), model=model, train=train, corpus=corpus,
                                                 vocab_size=vocab_size, tasks=list(tasks), task_ratio=task_ratio,
                                                 task_depths=task_depths, eval_loops=eval_loops, seed=seed,
                                                 progress=progress, resume=resume, overwrite=overwrite,
-                                                task_options=task_options))
+                                                task_options=task_options, data_seed=data_seed))
     rank, world, _ = init_distributed()  # (0, 1, None) alone
 
     def barrier() -> None:
@@ -387,7 +402,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     if out.exists() and not out.is_dir():
         fail("out_dir", str(out_dir), "must be a folder (it is a file)")
     experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
-                  "task_depths": list(task_depths or []), "seed": seed,
+                  "task_depths": list(task_depths or []), "seed": seed, "data_seed": data_seed,
                   **({"task_options": task_options} if task_options else {})}
     if holds_run(out):
         if resume and (out / RUN_CONFIG).is_file():
@@ -401,11 +416,11 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     barrier()  # rank 0 changes the folder only after every rank has checked it as it was
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=seed, task_options=task_options)
+    text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=data_seed, task_options=task_options)
     tok_path = out / TOKENIZER
     tok = None
     if rank == 0 and not (resume and tok_path.exists()):
-        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=seed)
+        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=data_seed)
         tok.save(tok_path)
     barrier()  # the tokenizer rank 0 kept or made is on disk: the other ranks read that one
     if tok is None:
@@ -427,7 +442,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     K = cfg.loops
     loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]) | {K})  # K: final_loss is read there
     val = torch.cat(trainer.val_batches)
-    sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16)  # evaluated as it was trained
+    sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16, per_sequence=True)  # as it was trained
     run = Run(net, tok, experiment, out, data)
 
     r_train = float(np.mean(metrics.loops.values))
@@ -438,7 +453,9 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
         {"loss": sweep["loss"].assign_attrs(long_name="validation loss (nats/token)"),
          "accuracy": sweep["accuracy"].assign_attrs(long_name="validation next-token accuracy"),
          "train_loss": ("step", metrics.loss.values, {"long_name": "training loss"}),
-         "lr": ("step", metrics.lr.values)},
+         "lr": ("step", metrics.lr.values),
+         "window_loss": sweep["sequence_loss"].rename(sequence="window").assign_attrs(
+             long_name="validation loss of each held-out window (nats/token)")},
         coords={"step": metrics.step.values})
     if "eval_loss" in metrics:
         # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
@@ -471,7 +488,7 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                         batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
                         loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
                         bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".",
-                        task_options: dict | None = None) -> dict:
+                        task_options: dict | None = None, data_seed: int | None = None) -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
     One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
@@ -500,7 +517,8 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                  backward_loops=backward_loops or None, warmup=min(20, steps // 10), bf16=bf16, compile=compile,
                  **budget)
     return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
-                eval_loops=eval_loops, seed=seed, nproc=nproc, task_options=task_options or None)
+                eval_loops=eval_loops, seed=seed, nproc=nproc, task_options=task_options or None,
+                data_seed=data_seed)
 
 
 def check_train_notebook(params: dict) -> None:
