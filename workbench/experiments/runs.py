@@ -488,12 +488,12 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                         batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
                         loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
                         bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".",
-                        task_options: dict | None = None, data_seed: int | None = None) -> dict:
+                        task_options: dict | None = None, data_seed: int = -1) -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
     One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
     below 0 is an error), backward_loops 0 is full BPTT, max_seq_len is max(seq_len, 512), warmup a
-    tenth of the steps up to 20. `batch_size` is the global batch: with nproc > 1 processes each trains
+    tenth of the steps up to 20, data_seed -1 is seed. `batch_size` is the global batch: with nproc > 1 processes each trains
     batch_size / nproc rows, so nproc changes how a run trains, not what. Raises ValueError naming a
     parameter whose type or range is wrong.
     """
@@ -506,6 +506,7 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
     check_float("flops", flops, 0, allowed="must be a finite number >= 0 (0: the budget is steps)")
     check_int("nproc", nproc, 1)
     check_int("batch_size", batch_size, 1)
+    check_int("data_seed", data_seed, -1, allowed="must be an integer >= 0, or -1 (the same as seed)")
     if batch_size % nproc:
         fail("batch_size", batch_size, f"must be a multiple of nproc={nproc} (each process trains batch_size / "
              "nproc rows)")
@@ -518,7 +519,7 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                  **budget)
     return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
                 eval_loops=eval_loops, seed=seed, nproc=nproc, task_options=task_options or None,
-                data_seed=data_seed)
+                data_seed=None if data_seed == -1 else data_seed)
 
 
 def check_train_notebook(params: dict) -> None:
