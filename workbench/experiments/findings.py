@@ -393,3 +393,125 @@ def lost_gradient_rows(summary: xr.Dataset) -> list[str]:
             rows.append(f"| {'full BPTT' if int(k) == 0 else f'k = {int(k)}'} | {int(r)} | {q['before']} | {q['after']} | "
                         f"{q['change']} | {q['rho_before']} | {q['rho_after']} |")
     return rows
+
+
+# the paper's own examples of "full BPTT through fewer loops" against "truncated settings of the same compute"
+# (issue 27): full r = 2 against r = 4, k = 1 and full r = 4 against r = 8, k = 4, as (full r, truncated r, k)
+PRIMARY_PAIRS = ((2, 4, 1), (4, 8, 4))
+
+
+def _window_losses(d: Path) -> dict:
+    """Return a truncation run's setting (run.json params) and its held-out windows' losses at its training loop count."""
+    from ..io import read_json
+
+    p = read_json(d / "run.json", "run record").get("params") or {}
+    with xr.open_dataset(d / "results.nc", engine="h5netcdf") as ds:
+        if "window_loss" not in ds:
+            raise ValueError(f"{d / 'results.nc'} has no window_loss (runs before issue 27 kept only the mean): "
+                             "rerun the pipeline (`workbench run truncation --profile matched`) to pair per window")
+        r = int(p.get("loops", 4))
+        losses = ds.window_loss.sel(loop=r).values.astype(np.float64)
+        steps, tokens = int(ds.sizes["step"]), float(ds.tokens)
+    k = int(p.get("backward_loops") or 0) or r
+    return {"run": d.name, "d_model": int(p.get("d_model", 128)), "flops": float(p.get("flops") or 0.0),
+            "loops": r, "backward_loops": k, "seed": int(p.get("seed", 0)),
+            "data_seed": int(p.get("data_seed", -1)), "steps": steps, "tokens": tokens, "losses": losses}
+
+
+def truncation_pairs(runs_dir: str | os.PathLike, pipeline: str = "truncation",
+                     primary: tuple[tuple[int, int, int], ...] = PRIMARY_PAIRS) -> xr.Dataset:
+    """Return every full-BPTT run paired with each truncated run of equal compute and more loops (dim `pair`), over seeds.
+
+    Within a (width, FLOP budget) cell every run spends the same training FLOPs. A pair is full BPTT at r
+    (k = r) against a truncated run (k < r') with r' > r, the paper's comparison (seeds/003). Per seed both
+    runs read the same held-out windows (one data seed, one seed for the windows), so `difference` is the mean over
+    seeds of the per-seed mean of the per-window difference truncated - full, at each run's own training
+    loop count: positive means full BPTT through fewer loops has the lower loss, the paper's direction.
+    `low`/`high` is the 95% t interval over seeds; `p` its t test; each family (the `primary` pairs, the
+    paper's own examples, and `all` pairs) is corrected on its own: `p_holm_*` (Holm) and
+    `low_*`/`high_*` (level 1 - 0.05/m, Bonferroni), and `verdict_*` reads from the corrected interval.
+    """
+    from ..stats import holm, seed_interval, simultaneous, verdict
+
+    runs = [_window_losses(d) for d in find_runs(pipeline, "train", runs_dir)]
+    if not runs:
+        raise FileNotFoundError(f"no finished {pipeline}/train runs under {runs_dir}")
+    by = {(q["d_model"], q["flops"], q["loops"], q["backward_loops"], q["seed"]): q for q in runs}
+    seeds = sorted({q["seed"] for q in runs})
+    cells = sorted({(q["d_model"], q["flops"]) for q in runs})
+    settings = sorted({(q["loops"], q["backward_loops"]) for q in runs})
+    full = [r for r, k in settings if k == r]
+    trunc = [(r, k) for r, k in settings if k < r]
+    rows = []
+    for d_model, flops in cells:
+        for rf in full:
+            for rt, kt in trunc:
+                if rt <= rf:
+                    continue
+                per_seed = []
+                for s in seeds:
+                    a, b = by.get((d_model, flops, rt, kt, s)), by.get((d_model, flops, rf, rf, s))
+                    if a is None or b is None:
+                        continue
+                    if a["losses"].shape != b["losses"].shape or a["data_seed"] != b["data_seed"]:
+                        raise ValueError(f"runs {a['run']} and {b['run']} (seed {s}) did not read the same held-out "
+                                         "windows (other window count or data seed): they cannot be paired")
+                    per_seed.append(float((a["losses"] - b["losses"]).mean()))
+                if len(per_seed) < 2:
+                    continue
+                rows.append({"d_model": d_model, "flops": flops, "full_loops": rf, "trunc_loops": rt,
+                             "trunc_backward": kt, "primary": (rf, rt, kt) in primary,
+                             "per_seed": per_seed + [np.nan] * (len(seeds) - len(per_seed)),
+                             "ci": seed_interval(per_seed)})
+    if not rows:
+        raise ValueError(f"no full-BPTT run under {runs_dir} has a truncated run of more loops in its cell with "
+                         "2 or more seeds: nothing to pair")
+    data: dict[str, Any] = {k: [q["ci"].__getattribute__(a) for q in rows]
+                            for k, a in (("difference", "mean"), ("low", "low"), ("high", "high"), ("p", "p"), ("seeds", "n"))}
+    for fam, members in (("all", [True] * len(rows)), ("primary", [q["primary"] for q in rows])):
+        idx = [i for i, m in enumerate(members) if m]
+        adj = holm([rows[i]["ci"].p for i in idx]) if idx else []
+        for key in ("p_holm", "low", "high"):
+            data[f"{key}_{fam}"] = [np.nan] * len(rows)
+        data[f"verdict_{fam}"] = [""] * len(rows)
+        for j, i in enumerate(idx):
+            vals = [v for v in rows[i]["per_seed"] if np.isfinite(v)]
+            c = simultaneous(vals, len(idx))
+            data[f"p_holm_{fam}"][i] = float(adj[j])
+            data[f"low_{fam}"][i], data[f"high_{fam}"][i] = c.low, c.high
+            data[f"verdict_{fam}"][i] = verdict(c, +1)
+    ds = xr.Dataset({k: ("pair", v) for k, v in data.items()},
+                    coords={k: ("pair", [q[k] for q in rows])
+                            for k in ("d_model", "flops", "full_loops", "trunc_loops", "trunc_backward", "primary")})
+    ds["per_seed"] = (("pair", "seed"), np.array([q["per_seed"] for q in rows]))
+    ds = ds.assign_coords(seed=seeds)
+    loss = np.full((len(cells), len(settings), len(seeds)), np.nan)
+    for q in runs:
+        loss[cells.index((q["d_model"], q["flops"])), settings.index((q["loops"], q["backward_loops"])),
+             seeds.index(q["seed"])] = q["losses"].mean()
+    ds["run_loss"] = (("cell", "setting", "seed"), loss,
+                      {"long_name": "mean held-out window loss at the run's training loop count (nats/token)"})
+    ds = ds.assign_coords(cell=[f"d{d} {f:.0e}" for d, f in cells], setting=[f"r{r} k{k}" for r, k in settings])
+    ds.attrs = {"interval": "95% Student t over per-seed means of per-window paired differences (truncated - full)",
+                "families": "primary: the paper's example pairs " + ", ".join(f"full r={a} vs r={b} k={c}"
+                                                                         for a, b, c in primary)
+                            + " in every cell; all: every pair",
+                "comparisons_primary": int(sum(q["primary"] for q in rows)), "comparisons_all": len(rows),
+                "correction": "Holm p-values; Bonferroni intervals at 1 - 0.05/m within each family"}
+    return ds
+
+
+def truncation_pair_rows(pairs: xr.Dataset, family: str = "all") -> list[str]:
+    """Return docs/findings.md's rows for truncation pairs: cell, full r, truncated (r, k), difference, 95% and corrected intervals, verdict."""
+    if family not in ("all", "primary"):
+        raise ValueError(f"family={family!r} is invalid: must be all or primary")
+    out = []
+    for i in range(pairs.sizes["pair"]):
+        s = pairs.isel(pair=i)
+        if family == "primary" and not bool(s.primary):
+            continue
+        out.append(f"| {int(s.d_model)} | {float(s.flops):.0e} | {int(s.full_loops)} | {int(s.trunc_loops)}, "
+                   f"{int(s.trunc_backward)} | {fmt(float(s.difference), float(s.low), float(s.high), 3)} | "
+                   f"[{float(s[f'low_{family}']):.3f}, {float(s[f'high_{family}']):.3f}] | "
+                   f"{float(s[f'p_holm_{family}']):.3f} | {str(s[f'verdict_{family}'].values)} |")
+    return out

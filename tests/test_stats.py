@@ -1,0 +1,182 @@
+"""Seeds as the unit of replication (issue 27): the seed-level t interval covers as it says, Holm as defined,
+truncation pairs scored per held-out window and summarised over seeds."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+from scipy import stats as sps
+
+from workbench.stats import holm, paired_seed_interval, seed_interval, simultaneous, verdict
+
+
+def test_a_95_percent_seed_interval_covers_a_planted_effect_about_95_times_in_100():
+    # 200 simulated experiments: 3 seeds, each a mean over 32 windows of (effect + seed offset + window noise);
+    # the seed offset is what a window-level interval leaves out
+    rng = np.random.default_rng(7)
+    effect, hits, window_hits = 0.05, 0, 0
+    for _ in range(200):
+        seed_off = rng.normal(0, 0.05, 3)
+        windows = effect + seed_off[:, None] + rng.normal(0, 0.2, (3, 32))
+        ci = seed_interval(windows.mean(1))
+        hits += ci.low <= effect <= ci.high
+        pooled = windows.ravel()  # the old way: an interval over one pool of windows, seeds ignored
+        half = 1.96 * pooled.std(ddof=1) / np.sqrt(pooled.size)
+        window_hits += pooled.mean() - half <= effect <= pooled.mean() + half
+    assert 0.90 <= hits / 200 <= 0.99, hits
+    assert window_hits / 200 < 0.85, window_hits  # why seeds: the window interval misses the seed spread
+
+
+def test_seed_interval_is_the_student_t_interval_and_test():
+    v = [0.12, 0.07, 0.15]
+    ci = seed_interval(v)
+    ref = sps.ttest_1samp(v, 0.0)
+    lo, hi = ref.confidence_interval(0.95)
+    assert (ci.mean, ci.low, ci.high, ci.p, ci.n) == pytest.approx((np.mean(v), lo, hi, ref.pvalue, 3))
+    wide = simultaneous(v, 4)  # four comparisons: each at 98.75%
+    assert wide.low == pytest.approx(ref.confidence_interval(1 - 0.05 / 4).low)
+    assert wide.low < ci.low and wide.high > ci.high
+    same = seed_interval([0.0, 0.0, 0.0])  # a run compared with itself
+    assert (same.low, same.high, same.p) == (0.0, 0.0, 1.0)
+
+
+def test_paired_seed_interval_averages_windows_within_each_seed():
+    rng = np.random.default_rng(0)
+    a = rng.normal(3.0, 0.3, (3, 16))
+    b = a - np.array([[0.10], [0.05], [0.08]]) + rng.normal(0, 0.01, (3, 16))
+    ci = paired_seed_interval(a, b)
+    assert ci.mean == pytest.approx(np.mean([(a[i] - b[i]).mean() for i in range(3)]))
+    assert ci.n == 3 and ci.low > 0
+    with pytest.raises(ValueError, match="a, b"):
+        paired_seed_interval(a, b[:, :8])
+    with pytest.raises(ValueError, match="at least 2"):
+        seed_interval([0.1])
+    with pytest.raises(ValueError, match="finite"):
+        seed_interval([0.1, float("nan"), 0.2])
+
+
+def holm_by_hand(p):
+    """Holm's step-down procedure written out: sort, multiply the i-th smallest by (m - i), keep monotone."""
+    m, order = len(p), sorted(range(len(p)), key=lambda i: p[i])
+    out, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def test_holm_matches_the_procedure_written_out():
+    rng = np.random.default_rng(1)
+    for m in (1, 2, 5, 20):
+        p = list(rng.uniform(0, 0.2, m))
+        assert holm(p) == pytest.approx(holm_by_hand(p))
+    assert list(holm([0.01, 0.04, 0.03])) == pytest.approx([0.03, 0.06, 0.06])
+    with pytest.raises(ValueError, match="pvalues"):
+        holm([0.1, 1.5])
+
+
+def test_verdict_needs_three_seeds_and_the_papers_direction():
+    assert verdict(seed_interval([0.1, 0.12, 0.11]), +1) == "replicates"
+    assert verdict(seed_interval([0.1, 0.12, 0.11]), -1) == "opposite"
+    assert verdict(seed_interval([0.1, -0.12, 0.11]), +1) == "inconclusive"
+    assert verdict(seed_interval([0.1, 0.12]), +1) == "inconclusive"  # two seeds: below the standard
+    with pytest.raises(ValueError, match="direction"):
+        verdict(seed_interval([0.1, 0.12, 0.11]), 0)
+
+
+def plant_run(root, key, params, window_loss):
+    """Write a finished truncation/train run folder holding only what truncation_pairs reads."""
+    d = root / "truncation" / "train" / key
+    d.mkdir(parents=True)
+    r = params["loops"]
+    wl = np.stack([np.asarray(window_loss) + 0.5 * (lp != r) for lp in (1, 2, 4, 8)])  # other loops: worse
+    xr.Dataset({"window_loss": (("loop", "window"), wl), "tokens": ((), 1000.0), "train_loss": ("step", [1.0] * 5)},
+               coords={"loop": [1, 2, 4, 8], "step": np.arange(1, 6)}).to_netcdf(d / "results.nc", engine="h5netcdf")
+    (d / "run.json").write_text(json.dumps({"status": "done", "finished": key, "params": params}))
+
+
+def test_truncation_pairs_pair_full_bptt_with_truncated_runs_of_more_loops_per_window(tmp_path):
+    from workbench.experiments.findings import truncation_pair_rows, truncation_pairs
+
+    rng = np.random.default_rng(3)
+    gaps = {(4, 1): [0.10, 0.06, 0.08], (4, 2): [0.01, -0.02, 0.02], (8, 4): [0.20, 0.18, 0.22]}
+    planted = {}
+    for s in range(3):
+        base = rng.normal(3.0, 0.2, 12)  # the seed's 12 windows, shared by all its runs
+        for r, k in [(2, 2), (4, 4), (4, 1), (4, 2), (8, 4)]:
+            noise = rng.normal(0, 0.01, 12)
+            wl = base + noise + (gaps[(r, k)][s] if k < r else 0.0)
+            planted[(r, k, s)] = wl
+            plant_run(tmp_path, f"{s}{r}{k}", {"d_model": 64, "flops": 1e12, "loops": r,
+                                                "backward_loops": k, "seed": s, "data_seed": 0}, wl)
+    pairs = truncation_pairs(tmp_path)
+    got = {(int(p.full_loops), int(p.trunc_loops), int(p.trunc_backward)): p for p in
+           (pairs.isel(pair=i) for i in range(pairs.sizes["pair"]))}
+    # full r = 2 against every truncated run (all have r' = 4 or 8 > 2); full r = 4 only against r' = 8
+    assert sorted(got) == [(2, 4, 1), (2, 4, 2), (2, 8, 4), (4, 8, 4)]
+    per_seed = [float((planted[(4, 1, s)] - planted[(2, 2, s)]).mean()) for s in range(3)]
+    ref = sps.ttest_1samp(per_seed, 0.0)
+    p = got[(2, 4, 1)]
+    assert float(p.difference) == pytest.approx(np.mean(per_seed))
+    assert (float(p.low), float(p.high)) == pytest.approx(tuple(ref.confidence_interval(0.95)))
+    assert list(p.per_seed.values) == pytest.approx(per_seed)
+    assert pairs.attrs["comparisons_all"] == 4 and pairs.attrs["comparisons_primary"] == 2
+    # Holm within each family, Bonferroni-wide intervals beside it
+    assert float(got[(4, 8, 4)].p_holm_primary) == pytest.approx(holm([float(got[(2, 4, 1)].p),
+                                                                        float(got[(4, 8, 4)].p)])[1])
+    assert float(got[(2, 4, 2)].low_all) < float(got[(2, 4, 2)].low)
+    assert np.isnan(float(got[(2, 4, 2)].low_primary))  # not a primary pair
+    assert str(got[(4, 8, 4)].verdict_primary.values) == "replicates"  # 0.20 +- 0.02 over 3 seeds
+    assert str(got[(2, 4, 2)].verdict_all.values) == "inconclusive"
+    assert len(truncation_pair_rows(pairs)) == 4 and len(truncation_pair_rows(pairs, "primary")) == 2
+    assert pairs.run_loss.sel(cell="d64 1e+12", setting="r2 k2", seed=1) == pytest.approx(planted[(2, 2, 1)].mean())
+
+
+def test_truncation_pairs_refuse_runs_that_did_not_read_the_same_windows(tmp_path):
+    from workbench.experiments.findings import truncation_pairs
+
+    for s in range(2):
+        plant_run(tmp_path, f"f{s}", {"d_model": 64, "flops": 1e12, "loops": 2, "backward_loops": 2, "seed": s,
+                                      "data_seed": 0}, np.ones(8))
+        plant_run(tmp_path, f"t{s}", {"d_model": 64, "flops": 1e12, "loops": 4, "backward_loops": 1, "seed": s,
+                                      "data_seed": 0 if s == 0 else 1}, np.ones(8))
+    with pytest.raises(ValueError, match="same held-out"):
+        truncation_pairs(tmp_path)
+
+
+def test_sweep_keeps_each_sequences_loss_as_the_model_gives_it_alone():
+    from workbench.evals import loop_sweep
+    from workbench.config import LoopConfig
+    from workbench.models import LoopLM
+
+    torch.manual_seed(0)
+    m = LoopLM(LoopConfig(vocab_size=64, d_model=16, n_heads=2, n_kv_heads=1, core=1, loops=2), seed=0)
+    data = torch.randint(0, 64, (5, 9))
+    ds = loop_sweep(m, data, [1, 3], per_sequence=True, batch_size=2, progress=False)
+    with torch.no_grad():
+        for r in (1, 3):
+            alone = [float(m(data[i:i + 1, :-1], loops=r, targets=data[i:i + 1, 1:]).loss) for i in range(5)]
+            assert ds.sequence_loss.sel(loop=r).values == pytest.approx(alone, abs=1e-5)
+    assert ds.sequence_loss.mean("sequence").values == pytest.approx(ds.loss.values, abs=1e-6)
+    assert "sequence_loss" not in loop_sweep(m, data, [1], progress=False)
+
+
+@pytest.mark.slow  # two tokenizers trained on the stdlib corpus
+def test_runs_of_one_data_seed_share_a_tokenizer_and_differ_in_weights(tmp_path):
+    from workbench.experiments.runs import load_run, train_notebook_args, train_run
+
+    results = []
+    for seed in (0, 1):
+        args = train_notebook_args(d_model=16, n_heads=2, n_kv_heads=1, core=1, loops=2, vocab_size=300, seq_len=16,
+                                   batch_size=2, steps=2, eval_loops=[1, 2], seed=seed, data_seed=5)
+        results.append(train_run(tmp_path / str(seed), resume=False, **args))
+    (run0, ds0), (run1, ds1) = results
+    assert ds0.attrs["tokenizer"] == ds1.attrs["tokenizer"]  # one unit: losses of the two seeds compare
+    assert not torch.equal(run0.model.embed.weight, run1.model.embed.weight)  # but two trainings
+    assert load_run(tmp_path / "1").experiment["data_seed"] == 5
+    assert ds0.window_loss.dims == ("loop", "window") and ds0.window_loss.sel(loop=2).mean() == pytest.approx(
+        float(ds0.loss.sel(loop=2)), abs=1e-5)
+    with pytest.raises(ValueError, match="data_seed"):
+        train_notebook_args(data_seed=-2)
