@@ -180,3 +180,35 @@ def test_runs_of_one_data_seed_share_a_tokenizer_and_differ_in_weights(tmp_path)
         float(ds0.loss.sel(loop=2)), abs=1e-5)
     with pytest.raises(ValueError, match="data_seed"):
         train_notebook_args(data_seed=-2)
+
+
+def plant_phi_run(root, key, params, loss, n_once, n_rec):
+    """Write a finished phi_ladder/train run folder holding only what phi_ladder reads."""
+    d = root / "phi_ladder" / "train" / key
+    d.mkdir(parents=True)
+    xr.Dataset({"final_loss": ((), loss), "n_once": ((), n_once), "n_rec": ((), n_rec)}).to_netcdf(
+        d / "results.nc", engine="h5netcdf")
+    (d / "run.json").write_text(json.dumps({"status": "done", "finished": key, "params": params}))
+
+
+@pytest.mark.parametrize("slope", [-0.3, 0.0])
+def test_phi_ladder_recovers_a_planted_phi_and_says_when_the_ladder_is_flat(tmp_path, slope):
+    from workbench.experiments.findings import phi_ladder
+
+    rng = np.random.default_rng(4)
+    phi, a, once, layer = 0.5, 8.0, 2000.0, 1000.0  # N_once: prelude + coda; each core layer 1000 parameters
+    for s in range(3):
+        off = rng.normal(0, 0.002)  # a seed's offset, shared by its runs
+        for core, loops in [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (2, 4), (1, 8)]:
+            n_eff = once + loops ** phi * core * layer
+            loss = a + slope * np.log(n_eff) + off + rng.normal(0, 0.001)
+            plant_phi_run(tmp_path, f"{s}{core}{loops}", {"d_model": 32, "steps": 100, "seed": s, "core": core,
+                                                           "loops": loops}, loss, once, core * layer)
+    out = phi_ladder(tmp_path)
+    if slope < 0:
+        assert bool(out.identified.item())
+        assert out.phi_mean.sel(loops=[2, 4, 8]).values.ravel() == pytest.approx([phi] * 3, abs=0.05)
+        assert (out.phi_low < phi).all() and (out.phi_high > phi).all()
+        assert out.slope_mean.item() == pytest.approx(slope, abs=0.01)
+    else:
+        assert not bool(out.identified.item())  # no capacity effect: phi cannot be read off the ladder

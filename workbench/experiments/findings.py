@@ -515,3 +515,68 @@ def truncation_pair_rows(pairs: xr.Dataset, family: str = "all") -> list[str]:
                    f"[{float(s[f'low_{family}']):.3f}, {float(s[f'high_{family}']):.3f}] | "
                    f"{float(s[f'p_holm_{family}']):.3f} | {str(s[f'verdict_{family}'].values)} |")
     return out
+
+
+def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.Dataset:
+    """Return phi per looped model read off each seed's non-looped depth ladder (dims `cell`, `loops`, `seed`), with t intervals over seeds.
+
+    In each (width, steps) cell and seed, the non-looped runs (loops 1) give the loss at their training
+    loop count against unique parameters N = N_once + N_rec; a line in log N fitted to them (`slope`,
+    nats per e-fold of N; negative when more unique layers help) turns a looped model's loss into its
+    equivalent size N_eq, and phi = log((N_eq - N_once) / N_rec) / log r (seeds/000's law term
+    N_once + r^phi N_rec). phi is NaN where N_eq <= N_once (the looped model is worse than its own
+    unique layers alone). `identified` is True where the slope's 95% t interval over seeds lies below
+    zero: otherwise the ladder shows no capacity effect and phi is not identifiable in that cell.
+    `phi_low`/`phi_high` are 95% t intervals over the seeds' phi values.
+    """
+    from ..io import read_json
+    from ..stats import seed_interval
+
+    runs = []
+    for d in find_runs(pipeline, "train", runs_dir):
+        p = read_json(d / "run.json", "run record").get("params") or {}
+        with xr.open_dataset(d / "results.nc", engine="h5netcdf") as ds:
+            runs.append({"d_model": int(p.get("d_model", 128)), "steps": int(p.get("steps", 300)),
+                         "seed": int(p.get("seed", 0)), "loops": int(p.get("loops", 4)),
+                         "core": int(p.get("core", 2)), "loss": float(ds.final_loss),
+                         "n_once": float(ds.n_once), "n_rec": float(ds.n_rec)})
+    if not runs:
+        raise FileNotFoundError(f"no finished {pipeline}/train runs under {runs_dir}")
+    cells = sorted({(q["d_model"], q["steps"]) for q in runs})
+    seeds = sorted({q["seed"] for q in runs})
+    looped = sorted({q["loops"] for q in runs if q["loops"] > 1})
+    phi = np.full((len(cells), len(looped), len(seeds)), np.nan)
+    n_eq = np.full_like(phi, np.nan)
+    slope = np.full((len(cells), len(seeds)), np.nan)
+    for ci, (d_model, steps) in enumerate(cells):
+        for si, s in enumerate(seeds):
+            mine = [q for q in runs if (q["d_model"], q["steps"], q["seed"]) == (d_model, steps, s)]
+            ladder = sorted((q for q in mine if q["loops"] == 1), key=lambda q: q["core"])
+            if len(ladder) < 2:
+                continue
+            logn = np.log([q["n_once"] + q["n_rec"] for q in ladder])
+            b, a = np.polyfit(logn, [q["loss"] for q in ladder], 1)
+            slope[ci, si] = b
+            for q in mine:
+                if q["loops"] > 1 and b < 0:
+                    li = looped.index(q["loops"])
+                    n_eq[ci, li, si] = np.exp((q["loss"] - a) / b)
+                    ratio = (n_eq[ci, li, si] - q["n_once"]) / q["n_rec"]
+                    phi[ci, li, si] = np.log(ratio) / np.log(q["loops"]) if ratio > 0 else np.nan
+    out = xr.Dataset({"phi": (("cell", "loops", "seed"), phi), "n_eq": (("cell", "loops", "seed"), n_eq),
+                      "slope": (("cell", "seed"), slope)},
+                     coords={"cell": [f"d{d} {s} steps" for d, s in cells], "loops": looped, "seed": seeds,
+                             "d_model": ("cell", [d for d, _ in cells]), "steps": ("cell", [s for _, s in cells])})
+    for name, arr, dims in (("slope", slope, ("cell",)), ("phi", phi, ("cell", "loops"))):
+        stats = np.full(arr.shape[:-1] + (3,), np.nan)
+        for idx in np.ndindex(*arr.shape[:-1]):
+            v = arr[idx][np.isfinite(arr[idx])]
+            if v.size >= 2:
+                c = seed_interval(v)
+                stats[idx] = (c.mean, c.low, c.high)
+        for j, suffix in enumerate(("mean", "low", "high")):
+            out[f"{name}_{suffix}"] = (dims, stats[..., j])
+    out["identified"] = ("cell", out.slope_high.values < 0)
+    out.attrs = {"interval": "95% Student t over seeds (phi per seed from that seed's ladder)",
+                 "ladder_fit": "loss = a + slope * ln(N_once + N_rec) over the non-looped runs of a cell and seed"}
+    return out
