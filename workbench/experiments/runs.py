@@ -488,7 +488,8 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                         batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
                         loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
                         bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".",
-                        task_options: dict | None = None, data_seed: int = -1) -> dict:
+                        task_options: dict | None = None, data_seed: int = -1,
+                        task_depths: Sequence[int] | None = None) -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
     One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
@@ -518,6 +519,7 @@ def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: S
                  backward_loops=backward_loops or None, warmup=min(20, steps // 10), bf16=bf16, compile=compile,
                  **budget)
     return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
+                task_depths=list(task_depths) if task_depths else None,
                 eval_loops=eval_loops, seed=seed, nproc=nproc, task_options=task_options or None,
                 data_seed=None if data_seed == -1 else data_seed)
 
