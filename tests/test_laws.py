@@ -557,3 +557,18 @@ def test_looplm_flops_agree_with_the_formula():
                                layers_once=cfg.prelude + cfg.coda, layers_rec=cfg.core,
                                head_params=cfg.d_model * cfg.vocab_size if head else 0)
         assert model.flops_per_token(r, k, seq_len=seq, include_head=head) == pytest.approx(float(want), rel=1e-15)
+
+
+def test_identified_reads_the_bootstrap_intervals(phi_fit):
+    _, fit = phi_fit
+    ok, why = fit.identified()
+    assert ok, why  # 48 runs of a planted law over 1.5 decades of tokens and 16x in size: pinned down
+    # flat losses (no size or token effect, as at laptop scale when capacity does not matter): not identified
+    flat = pd.DataFrame(phi_table(seed=2, n_runs=16)).assign(
+        loss=lambda t: 3.0 * np.exp(np.random.default_rng(0).normal(0, 0.01, len(t))))
+    grid = laws.start_grid("phi")
+    weak = laws.fit_phi(flat, bootstrap=20, seed=0, starts=grid[np.random.default_rng(1).choice(len(grid), 300)])
+    ok, why = weak.identified()
+    assert not ok and ("too wide" in why or "collapsed" in why), (weak, why)
+    unbooted = laws.fit_phi(flat, bootstrap=0, starts=grid[:50])
+    assert unbooted.identified() == (False, "bootstrap=0 < 20: no intervals to judge identification by")

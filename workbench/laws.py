@@ -680,6 +680,30 @@ class LawFit:
             extra[f"fixed_{k}"] = float(v)
         return ds.assign_attrs(provenance(seed=self.seed, **extra))
 
+    def identified(self, max_width: float = 1.0, min_bootstrap: int = 20) -> tuple[bool, str]:
+        """Return (identified, why): whether the runs pin the law down, read from its bootstrap intervals.
+
+        A law is identified here when it was bootstrapped (`min_bootstrap` resamples or more), every fitted
+        exponent (alpha, beta, phi, psi) has a finite 95% interval no wider than `max_width`, and the
+        irreducible loss E is not collapsed to zero (then A and alpha trade off freely). An allocation
+        read from an unidentified law carries no information, so the fit notebook prints none.
+        """
+        if self.law == "test_time":
+            return True, "the test-time law is fitted per run, not from a design"
+        if self.bootstrap < min_bootstrap:
+            return False, f"bootstrap={self.bootstrap} < {min_bootstrap}: no intervals to judge identification by"
+        wide = []
+        for name in ("alpha", "beta", "phi", "psi"):
+            if name in self.params and name not in self.fixed:
+                lo, hi = self.intervals[name]
+                if not (math.isfinite(lo) and math.isfinite(hi)) or hi - lo > max_width:
+                    wide.append(f"{name} in [{lo:.3g}, {hi:.3g}]")
+        if wide:
+            return False, "intervals too wide for the design to identify the law: " + "; ".join(wide)
+        if self.params.get("E", 1.0) < 1e-6:
+            return False, f"E = {self.params['E']:.2g}: the irreducible loss collapsed to zero"
+        return True, "every fitted exponent's 95% interval is finite and narrower than " + f"{max_width:g}"
+
     @property
     def objective_name(self) -> str:
         """Return a description of the objective minimised."""
