@@ -23,6 +23,7 @@ import xarray as xr
 
 from ..config import check_int
 from ..io import find_runs
+from ..stats import seed_interval
 
 
 def bootstrap_ci(values: Any, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -163,8 +164,10 @@ def taper_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, s
 
     Every done run of the taper pipeline's `train` step is reopened and scored on `n` validation
     windows of `seq_len` tokens; runs of one seed share the tokenizer and so the windows, which makes
-    the difference to the uniform run of the same seed a paired one. Intervals bootstrap the windows
-    pooled over seeds.
+    the difference to the uniform run of the same seed a paired one. `loss_*` and `vs_uniform_*` bootstrap
+    the windows pooled over seeds (no seed variance; kept for the committed laptop run), `vs_uniform_seed*`
+    is the 95% t interval over the seeds' mean paired differences (stats.seed_interval: seeds are the unit
+    of replication; NaN with fewer than 2 seeds), and `vs_uniform_per_seed` each seed's mean difference.
     """
     n = check_int("n", n, 2)
     per: dict[tuple[str, int], tuple[torch.Tensor, list[float]]] = {}
@@ -175,19 +178,30 @@ def taper_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, s
         raise FileNotFoundError(f"no finished taper/train runs under {runs_dir}")
     tapers = sorted({t for t, _ in per}, key=lambda t: (t != "uniform", t))
     data: dict[str, list[float]] = {k: [] for k in ("loss", "loss_low", "loss_high", "vs_uniform", "vs_uniform_low",
-                                                    "vs_uniform_high", "seeds")}
-    for t in tapers:
+                                                    "vs_uniform_high", "seeds", "vs_uniform_seed", "vs_uniform_seed_low",
+                                                    "vs_uniform_seed_high")}
+    all_seeds = sorted({s_ for _, s_ in per})
+    per_seed = np.full((len(tapers), len(all_seeds)), np.nan)
+    for ti, t in enumerate(tapers):
         seeds = sorted(s_ for tt, s_ in per if tt == t)
         mean, lo, hi = bootstrap_ci([v for s_ in seeds for v in per[(t, s_)][1]], seed=seed)
         diffs = [a - b for s_ in seeds if ("uniform", s_) in per and torch.equal(per[(t, s_)][0], per[("uniform", s_)][0])
                  for a, b in zip(per[(t, s_)][1], per[("uniform", s_)][1])]
         dm, dlo, dhi = bootstrap_ci(diffs, seed=seed)
-        for k, v in zip(data, (mean, lo, hi, dm, dlo, dhi, len(seeds))):
-            data[k].append(v)
-    return xr.Dataset({k: ("taper", v) for k, v in data.items()}, coords={"taper": tapers},
-                      attrs={"sequences": n, "seq_len": seq_len, "seed": seed,
-                             "interval": "95% percentile bootstrap over windows pooled over seeds; vs_uniform paired "
-                                         "per window within a seed"})
+        for s_ in seeds:
+            if ("uniform", s_) in per and torch.equal(per[(t, s_)][0], per[("uniform", s_)][0]):
+                per_seed[ti, all_seeds.index(s_)] = float(np.mean(np.subtract(per[(t, s_)][1], per[("uniform", s_)][1])))
+        v = per_seed[ti][np.isfinite(per_seed[ti])]
+        sm = seed_interval(v) if v.size >= 2 else None
+        seed_ci = (sm.mean, sm.low, sm.high) if sm else (float("nan"),) * 3
+        for k, val in zip(data, (mean, lo, hi, dm, dlo, dhi, len(seeds), *seed_ci)):
+            data[k].append(val)
+    out = xr.Dataset({k: ("taper", v) for k, v in data.items()}, coords={"taper": tapers, "seed": all_seeds},
+                     attrs={"sequences": n, "seq_len": seq_len, "seed": seed,
+                            "interval": "95% percentile bootstrap over windows pooled over seeds; vs_uniform paired "
+                                        "per window within a seed; vs_uniform_seed: 95% t interval over seeds"})
+    out["vs_uniform_per_seed"] = (("taper", "seed"), per_seed)
+    return out
 
 
 def taper_rows(summary: xr.Dataset) -> list[str]:
