@@ -456,7 +456,233 @@ def test_the_second_seed_quotes_what_it_printed_and_keeps_i_ahead_of_plain():
     assert min(gaps) == pytest.approx(0.03) and max(gaps) == pytest.approx(0.07)
     s = xr.load_dataset(DOCS / "findings" / "conditioning" / "summary.nc", engine="h5netcdf")
     plain0 = float(s.accuracy.sel(variant="plain", loop=12, group="reasoning"))
-    assert round(reasoning["P1"][12] / 256, 2) - round(plain0, 2) == pytest.approx(0.11)
-    r0 = s.accuracy.sel(group="reasoning", loop=[2, 8, 12]).round(2)  # "against 0.10-0.18 in the first seed"
+    moved = reasoning["P1"][12] / 256 - plain0  # the unrounded accuracies, as for the gaps below
+    assert f"plain alone moved by {moved:.2f} at r = 12 ({plain0:.3f} to {reasoning['P1'][12] / 256:.3f})" in text
+    assert round(moved, 2) == pytest.approx(0.12)
+    r0 = s.accuracy.sel(group="reasoning", loop=[2, 8, 12])  # "against 0.09-0.18 in the first seed"
     gaps0 = (r0.sel(variant="I") - r0.sel(variant="plain")).values
-    assert gaps0.min() == pytest.approx(0.10) and gaps0.max() == pytest.approx(0.18)
+    assert f"{gaps0.min():.2f}-{gaps0.max():.2f} in the first seed" in text
+    assert round(gaps0.min(), 2) == pytest.approx(0.09) and round(gaps0.max(), 2) == pytest.approx(0.18)
+
+
+# ---- issue 27: the paper cells quote the seeds, the verdicts say what their intervals are over -------------------
+SEEDS = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "seeds"  # absent in CI: checks skip
+
+
+def table_rows(text: str, start: str, end: str | None = None) -> list[list[str]]:
+    """Return the cells of each body row of the first markdown table after `start` (up to `end` when given)."""
+    body = text.split(start, 1)[1]
+    if end:
+        body = body.split(end, 1)[0]
+    lines = body.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    rows = []
+    for ln in lines[first:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return rows[2:]  # without the header and the separator
+
+
+def headline_rows() -> list[list[str]]:
+    text = (DOCS / "findings.md").read_text()
+    rows = table_rows(text, "<!-- findings:headline -->", "<!-- /findings:headline -->")
+    assert len(rows) >= 15 and all(len(r) == 5 for r in rows), [len(r) for r in rows]
+    return rows
+
+
+def section(text: str, heading: str) -> str:
+    """Return one `## heading...` section of the document, up to the next `## `."""
+    part = text.split("\n## " + heading, 1)[1]
+    return part.split("\n## ", 1)[0]
+
+
+def test_every_headline_paper_cell_names_its_seed_file_and_quotes_it_verbatim():
+    import re
+
+    cited = set()
+    for claim, paper, _, _, _ in headline_rows():
+        names = re.findall(r"seeds/(00[034])\b", paper)
+        assert names, f"no seed file named for: {claim}"
+        cited |= set(names)
+    assert cited == {"000", "003", "004"}
+    if not SEEDS.is_dir():
+        pytest.skip(f"{SEEDS} is not here: the files' existence and the quotes are not checked")
+    for name in cited:
+        assert list(SEEDS.glob(f"{name}_*.txt")), name
+    seeds = " ".join(" ".join(p.read_text().split()) for p in SEEDS.glob("0*.txt"))
+    text = (DOCS / "findings.md").read_text()
+    quotes = [q for ln in text.splitlines() if ln.startswith("|") for cell in ln.split("|") if "seeds/" in cell
+              for q in re.findall(r'"([^"]+)"', cell)]
+    assert len(quotes) > 30
+    for q in quotes:  # every quoted paper's word is the summary's word
+        assert " ".join(q.split()) in seeds, q
+
+
+def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
+    rows = headline_rows()
+    for claim, paper, ours, verdict, _ in rows:
+        if "replicates" in verdict:
+            assert "seeds" in ours + verdict and "one seed" not in ours + verdict, claim
+        if "one seed" in verdict or "one model" in verdict:
+            assert "replicates" not in verdict, claim
+    verdicts = {r[0]: r[3] for r in rows}
+    # the one row that meets the bar: the matched truncation profile, 3 seeds, Holm over its 4 primary pairs
+    assert [c for c, v in verdicts.items() if "replicates" in v] == [
+        "Full BPTT through fewer loops beats truncation at matched compute"]
+    assert sum(v.startswith("not run yet") for v in verdicts.values()) >= 5
+    text = (DOCS / "findings.md").read_text()
+    assert "Holm" in section(text, "How to read a verdict") and "at least 3 training seeds" in text
+    ours_only = section(text, "Ours only (no paper claims this)")
+    for moved in ("One loop is enough for knowledge with I or H", "Below K, knowledge needs fewer loops"):
+        assert moved in ours_only and not any(moved in r[0] for r in rows), moved
+
+
+SECTIONS = {"Allocation": "allocation", "Recurrence-equivalence": "phi_sweep", "Tapered": "taper",
+            "Loop conditioning": "conditioning", "Truncated against full": "truncation",
+            "Lost gradient": "lost_gradient"}
+
+
+@pytest.mark.slow
+def test_each_section_names_its_runs_commits_and_precision_and_counts_its_comparisons():
+    import re
+
+    text = (DOCS / "findings.md").read_text()
+    for heading, folder in SECTIONS.items():
+        part = section(text, heading)
+        commits, precisions = set(), set()
+        for path in (DOCS / "findings" / folder).rglob("results.nc"):
+            with xr.open_dataset(path, engine="h5netcdf") as ds:
+                commits.add(ds.attrs["git_commit"][:7])
+                if "precision" in ds.attrs:
+                    precisions.add(ds.attrs["precision"])
+        assert commits and precisions, folder
+        for c in commits:
+            assert f"`{c}`" in part, (heading, c)
+        for p in precisions:
+            assert p in part, (heading, p)
+        assert re.search(r"Comparisons: (the claims below read )?\d+", part), heading
+        assert "CPU" in part, heading
+
+
+def test_the_allocation_rows_say_what_the_ratio_and_the_matched_depth_data_show():
+    from workbench.experiments.findings import fmt
+
+    text = (DOCS / "findings.md").read_text()
+    s = xr.load_dataset(DOCS / "findings" / "allocation" / "summary.nc", engine="h5netcdf")
+    looped_coda = s.where((s.coda > 0) & (s.loops > 1), drop=True).terminal_to_core
+    assert looped_coda.sizes["model"] == 7  # "the 7 looped models that have one"
+    assert f"{float(looped_coda.min()):.2f}-{float(looped_coda.max()):.2f}" == "0.50-0.64"
+    nl = s.sel(model="1+12x1+1")
+    assert int(nl.coda) == 1 and fmt(float(nl.terminal_to_core), float(nl.terminal_to_core_low),
+                                     float(nl.terminal_to_core_high)) == "0.88 [0.86, 0.90]"
+    vs = s.loss_vs_nonlooped
+    assert float(vs.sel(model="1+3x4+1")) < float(vs.sel(model="1+4x3+1"))  # not monotone in sharing
+    assert f"{float(vs.sel(model='2+2x4+0') - vs.sel(model='0+2x4+2')):.3f} nats" == "0.078 nats"
+    for claim, _, _, verdict, _ in headline_rows():
+        if claim.startswith("Loops of a shared block"):
+            assert "in order" not in verdict.replace("not in order", "") and verdict.startswith("inconclusive")
+    assert "0.078 nats" in text and "0.50-0.64" in text
+
+
+def test_the_conditioning_rows_quote_the_plain_model_past_k_and_flat_at_one_loop():
+    import json
+
+    from workbench.experiments.findings import fmt
+
+    text = (DOCS / "findings.md").read_text()
+    s = xr.load_dataset(DOCS / "findings" / "conditioning" / "summary.nc", engine="h5netcdf").sel(variant="plain")
+    quoted = {g: " / ".join(fmt(float(s.accuracy.sel(loop=r, group=g)), float(s.low.sel(loop=r, group=g)),
+                                float(s.high.sel(loop=r, group=g))) for r in (4, 8, 12))
+              for g in ("reasoning", "knowledge")}
+    row = next(r for r in headline_rows() if r[0].startswith("Past the training horizon"))
+    assert quoted["reasoning"] in row[2] and quoted["knowledge"] in row[2], quoted
+    assert row[3].startswith("does not, one seed")
+    r = s.accuracy.sel(group="reasoning")
+    assert float(r.sel(loop=12)) < float(r.sel(loop=8)) < float(r.sel(loop=4))  # falls past K: the opposite
+    sweeps = [xr.load_dataset(p, engine="h5netcdf") for p in (DOCS / "findings" / "conditioning" / "sweep").glob("*/results.nc")]
+    plain, = [ds for ds in sweeps if {k: json.loads(ds.attrs["config_json"]).get(k) for k in ("inject", "history", "timestep")}
+              == {"inject": "none", "history": 0, "timestep": "none"}]
+    acc = plain.task_accuracy.sel(task="iterated", loop=1, depth=[1, 2, 3, 4])
+    assert f"flat across depths 1-4 ({float(acc.min()):.2f}-{float(acc.max()):.2f})" in text
+    assert float(acc.max()) - float(acc.min()) < 0.1
+
+
+@pytest.mark.slow
+def test_the_phi_grid_is_flat_in_r_and_spans_what_the_document_says():
+    import json
+
+    text = (DOCS / "findings.md").read_text()
+    runs = {}
+    for arm in ("train", "train_truncated", "train_hyper"):
+        for p in (DOCS / "findings" / "phi_sweep" / arm).glob("*/results.nc"):
+            with xr.open_dataset(p, engine="h5netcdf") as ds:
+                cfg, tc = json.loads(ds.attrs["config_json"]), json.loads(ds.attrs["train_config"])
+                runs.setdefault(arm, []).append((cfg["d_model"], tc["steps"], cfg["loops"],
+                                                 float(ds.loss.sel(loop=cfg["loops"])),
+                                                 float(ds.flops_per_token) * float(ds.tokens)))
+    assert {r[2] for r in runs["train_truncated"]} == {2, 4, 8}  # "the arm has no r = 1 run"
+    full = runs["train"]
+    assert f"{max(r[4] for r in full) / min(r[4] for r in full):.1f}x compute" == "12.8x compute"
+    for arm, quoted in (("train", "+0.005 nats per doubling"), ("train_hyper", "+0.007 nats per doubling")):
+        cells = {}
+        for d, steps, r, loss, _ in runs[arm]:
+            cells.setdefault((d, steps), []).append((np.log2(r), loss))
+        slope = np.mean([np.polyfit(*zip(*sorted(c)), 1)[0] for c in cells.values()])
+        assert len(cells) == 9 and f"+{slope:.3f} nats per doubling" == quoted and quoted in text, (arm, slope)
+    gap = [np.mean([r[3] for r in full if r[:2] == (32, steps)]) - np.mean([r[3] for r in full if r[:2] == (64, steps)])
+           for steps in (100, 200, 400)]
+    assert f"against {min(gap):.2f}-{max(gap):.2f} nats between d = 32\nand d = 64 at equal steps" in text, gap
+    for claim, _, ours, verdict, _ in headline_rows():
+        if claim.startswith("Recurrence-equivalence"):
+            assert verdict == "not identifiable with this grid" and "[" not in ours  # no fitted number as a result
+
+
+def test_the_taper_runs_cost_what_the_document_says_and_change_sign_between_seeds():
+    import json
+
+    text = (DOCS / "findings.md").read_text()
+    loss, flops = {}, set()
+    for p in (DOCS / "findings" / "taper" / "train").glob("*/results.nc"):
+        with xr.open_dataset(p, engine="h5netcdf") as ds:
+            loss[json.loads(ds.attrs["config_json"])["taper"], int(ds.attrs["seed"])] = float(ds.loss.sel(loop=4))
+            flops.add(f"{float(ds.flops_per_token) * float(ds.tokens):.2e}")
+    assert flops == {"1.16e+13"} and "(1.16e13 per run)" in text
+    assert " / ".join(f"{loss['uniform', s]:.3f}" for s in range(3)) in text
+    for taper in ("cosine", "reverse"):
+        diff = [loss[taper, s] - loss["uniform", s] for s in range(3)]
+        assert f"{taper} minus uniform" in text and " / ".join(f"{d:+.3f}" for d in diff) in text, (taper, diff)
+        assert min(diff) < 0 < max(diff)  # the sign changes between seeds
+
+
+def test_the_truncation_rows_say_the_law_is_not_identified_and_compare_across_r_as_quoted():
+    text = (DOCS / "findings.md").read_text()
+    fit, = (DOCS / "findings" / "truncation" / "fit").glob("*/results.nc")
+    fit = xr.load_dataset(fit, engine="h5netcdf")
+    e, alpha_high = float(fit.estimate.sel(group="all", param="E")), float(fit.high.sel(group="all", param="alpha"))
+    assert e < 1e-10 and f"E = {e:.1e}" in text and f"reaching {alpha_high:.0f}" in text and alpha_high > 300
+    s = xr.load_dataset(DOCS / "findings" / "truncation" / "summary.nc", engine="h5netcdf")
+    df = s.to_dataframe().set_index(["d_model", "flops", "loops", "backward_loops"]).loss
+    gaps = {k: [df[d, f, 4, 4] - df[d, f, 8, k] for d in (64, 128) for f in (1e12, 4e12)] for k in (4, 1)}
+    assert all(g < 0 for g in gaps[4]) and sum(g < 0 for g in gaps[1]) == 2
+    assert f"by {-max(gaps[4]):.2f}-{-min(gaps[4]):.2f} nats" in text
+    assert f"from {max(gaps[1]):.2f} above to {-min(gaps[1]):.2f} below" in text
+    row = next(r for r in headline_rows() if r[0].startswith("Full BPTT through fewer loops"))
+    assert "--profile matched" in row[4] and "3 seeds" in row[3]  # the headline quotes the matched profile
+    laptop = section(text, "Truncated against full BPTT at equal compute and the same r (truncation, laptop profile)")
+    assert "| not the paper's comparison (one seed)" in laptop
+
+
+def test_committed_matched_truncation_findings_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import truncation_pair_rows, truncation_pairs
+
+    s = xr.load_dataset(DOCS / "findings" / "truncation_matched" / "summary.nc", engine="h5netcdf")
+    again = truncation_pairs(DOCS / "findings", pipeline="truncation_matched")  # the summary is what the runs give
+    assert truncation_pair_rows(again) == truncation_pair_rows(s)
+    text = (DOCS / "findings.md").read_text()
+    for row in truncation_pair_rows(s) + truncation_pair_rows(s, "primary"):
+        assert row in text, row
+    assert (s.attrs["comparisons_all"], s.attrs["comparisons_primary"]) == (20, 4)
+    assert int((s.per_seed > 0).sum()) == 60  # "every one of the 60 per-seed differences is positive"
+    assert int((s.verdict_primary == "replicates").sum()) == 1 and int((s.verdict_all == "replicates").sum()) == 6
+    assert s.sizes["seed"] == 3
