@@ -33,8 +33,8 @@ def vocab_size(model) -> int | None:
 
 
 def device_of(model) -> torch.device | None:
-    """Return the device of a LoopLM's weights (None for a Loopable: its tokens are used as given)."""
-    return model.embed.weight.device if isinstance(model, LoopLM) else None
+    """Return the device of the model's weights (None for a Loopable holding none: its tokens are used as given)."""
+    return model.embed.weight.device if isinstance(model, LoopLM) else model.device()
 
 
 def check_tokens(tokens, model, name: str = "tokens") -> torch.Tensor:
@@ -78,20 +78,26 @@ def check_horizon(model, loops: int, horizon) -> int:
 def attrs(model, probe: str, **extra) -> dict[str, str | int | float]:
     """Return the flat provenance attrs of a probe result."""
     cfg = model.cfg if isinstance(model, LoopLM) else model.config
+    if not hasattr(cfg, "to_json") and hasattr(cfg, "to_json_string"):  # a transformers config: its full JSON
+        cfg = cfg.to_json_string(use_diff=False)
     seed = getattr(model, "seed", None)
     return provenance(cfg, seed, probe=probe, **extra)
 
 
 # ---- one pass -----------------------------------------------------------------------------------
 def trace_states(model, tokens: torch.Tensor, loops: int, horizon: int | None = None
-                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Return (states [loops+1, B, T, d], readout) from one pass; readout maps a state to logits."""
+                 ) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
+    """Return (states [loops+1, B, T, d], read) from one pass; read(t) is the logits of the state after loop t.
+
+    A Loopable's measured states are its `reduce`d carried states; read(t) reads out the carried
+    state itself, so a coda that reads more than the measured state (`coda_reads="carried"`) gets it.
+    """
     if isinstance(model, LoopLM):
         tr = model.trace(tokens, loops=loops, horizon=horizon)
-        return tr.states, model.readout
+        return tr.states, lambda t: model.readout(tr.states[t])
     lp = as_loopable(model)
     _, carried = lp.run(tokens, loops)
-    return torch.stack([lp.state(h) for h in carried]), lp.coda
+    return torch.stack([lp.state(h) for h in carried]), lambda t: lp.readout(carried[t])
 
 
 # ---- per-token metrics ----------------------------------------------------------------------------
@@ -130,14 +136,21 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / n) if n else float("nan")
 
 
-# ---- block occurrences of a LoopLM ----------------------------------------------------------------
-def occurrences(model: LoopLM, loops: int) -> list[tuple[str, str, int, int]]:
-    """Return (name, stage, loop, layer) for every block occurrence in call order (names: `LoopLM.place_names`).
+# ---- block occurrences -------------------------------------------------------------------------------
+def has_places(model) -> bool:
+    """Return True when the model names its block occurrences (a LoopLM, or a Loopable with `places`)."""
+    return isinstance(model, LoopLM) or (isinstance(model, Loopable) and model.places is not None)
 
-    `loop` is 0 for the prelude and loops + 1 for the coda.
+
+def occurrences(model, loops: int) -> list[tuple[str, str, int, int]]:
+    """Return (name, stage, loop, layer) for every block occurrence in call order.
+
+    Names come from `LoopLM.place_names` or `Loopable.places`; `loop` is 0 for the prelude and
+    loops + 1 for the coda.
     """
     out = []
-    for name in model.place_names(loops):
+    names = model.place_names(loops) if isinstance(model, LoopLM) else model.places(loops)
+    for name in names:
         parts = name.split(".")
         if parts[0] == "core":
             out.append((name, "core", int(parts[1]), int(parts[2])))

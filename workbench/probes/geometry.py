@@ -8,7 +8,7 @@ import xarray as xr
 
 from ..models.looped import LoopLM
 from ._common import (angular_distance, attrs, check_horizon, check_int, check_model, check_tokens,
-                      occurrences, relative_update, trace_states, training_loops)
+                      has_places, occurrences, relative_update, trace_states, training_loops)
 
 
 def _variance(h: torch.Tensor) -> float:
@@ -21,16 +21,18 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
     Over dim `loop` (1..r): `angular_distance` a(x(t-1), x(t)), `relative_update`
     |x(t) - x(t-1)| / max(|x(t-1)|, eps), `state_variance` V(x(t)) / V(x(K)) and `state_norm` |x(t)|,
     each a mean over tokens (all batch rows and positions); K is the training loop count. Over dim
-    `occurrence` ("prelude.i", "core.{loop}.{layer}", "coda.i"), for a LoopLM only:
-    `block_angular_distance` and `block_relative_update` between each block's input and output.
+    `occurrence` ("prelude.i", "core.{loop}.{layer}", "coda.i"), for a model that names them (a LoopLM,
+    or a Loopable with `places`): `block_angular_distance` and `block_relative_update` between each
+    block's input and output.
 
     One trace gives everything. It runs to max(r, K) loops so that x(K) is at hand when r < K, and
     the block occurrences beyond loop r are not reported. A horizon-dependent model (timestep
     conditioning) is traced to r with T = `horizon` (default r), and its reference V(x(K)) comes from
     a second pass at its training setting (r = T = K). Block-level metrics come from a reading hook
     at every named block occurrence of the one pass, so they are exact for every LoopLM variant; a
-    hyper-connected layer's input is A_m^T H, its output Block(A_m^T H). A generic `Loopable` gets the
-    loop-level variables only.
+    hyper-connected layer's input is A_m^T H, its output Block(A_m^T H). A Loopable with `places` gets
+    them from the same reading hook (for Inkling2Loop a layer's hidden input and output); any other
+    `Loopable` gets the loop-level variables only.
     """
     check_model(model)
     tokens = check_tokens(tokens, model)
@@ -40,17 +42,17 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
     T = check_horizon(model, r, horizon) if dependent else None
     R = r if dependent else max(r, K)
     block: dict[int, tuple[float, float]] = {}
-    occ = occurrences(model, r) if isinstance(model, LoopLM) else []
+    occ = occurrences(model, r) if has_places(model) else []
+    index = {name: j for j, name in enumerate(o[0] for o in occ)}
+
+    def record(name, x_in, x_out):
+        j = index.get(name)  # None for core occurrences beyond loop r
+        if j is not None:
+            block[j] = (float(angular_distance(x_in, x_out).mean()),
+                        float(relative_update(x_in, x_out).mean()))
+
     with torch.no_grad():
         if isinstance(model, LoopLM):
-            index = {name: j for j, name in enumerate(o[0] for o in occ)}
-
-            def record(name, x_in, x_out):
-                j = index.get(name)  # None for core occurrences beyond loop r
-                if j is not None:
-                    block[j] = (float(angular_distance(x_in, x_out).mean()),
-                                float(relative_update(x_in, x_out).mean()))
-
             tr = model.trace(tokens, R, horizon=T, hooks=dict.fromkeys(("prelude.*", "core.*", "coda.*"), record))
             states = tr.states
             tr.features(r)  # the coda's occurrences read the state after loop r
@@ -58,6 +60,11 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
                 ref = states[K] if r == K and T == K else trace_states(model, tokens, K, K)[0][K]
             else:
                 ref = states[K]
+        elif occ:  # a Loopable that names its block occurrences: the same reading hook
+            _, carried = model.run(tokens, R, hook=record)
+            model.readout(carried[r], hook=record)  # the coda's occurrences read the state after loop r
+            states = torch.stack([model.state(h) for h in carried])
+            ref = states[K]
         else:
             states, _ = trace_states(model, tokens, R)
             ref = states[K]

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import xarray as xr
 from torch import nn
+# torch's pytree utilities (what torch.func flattens with): a carried state may be a tuple, NamedTuple or dict
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..models.looped import LoopLM, lm_loss
 from ._common import EPS, attrs, check_horizon, check_int, check_model, check_targets, check_tokens, training_loops
@@ -25,6 +27,27 @@ class _Call(nn.Module):
 
     def forward(self, fn):
         return fn()
+
+
+def _alias(x):
+    """Return x (a tensor or a structure of them) with every tensor a new leaf alias that requires grad."""
+    return tree_map(lambda a: a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a, x)
+
+
+def _unique(xs: list) -> list:
+    """Return xs without repeats (by identity), first occurrences kept in order."""
+    seen, out = set(), []
+    for x in xs:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def _norm(grads: list) -> float:
+    """Return the norm of the concatenated gradients (None counts as zero)."""
+    norms = [0.0 if g is None else float(g.double().norm()) for g in grads]
+    return norms[0] if len(norms) == 1 else float(np.sqrt(sum(n * n for n in norms)))
 
 
 @dataclass
@@ -81,23 +104,27 @@ def loop_gradients(model, tokens: torch.Tensor, targets: torch.Tensor, loops: in
     call = _Call(lp.core)
     with torch.enable_grad():
         h0 = lp.prelude(tokens)
-        h0_init = h0.detach().requires_grad_()
+        h0_init = _alias(h0)
         h = lp.initial(h0_init)
         states, h0_loops, leaves = [h], [], []
         for t in range(r):
-            h0_t = h0.detach().requires_grad_()
+            h0_t = _alias(h0)
             w_t = {n: p.detach().requires_grad_() for n, p in shared.items()}
             h = torch.func.functional_call(call, {"m." + n: w for n, w in w_t.items()},
                                            (lambda h=h, h0_t=h0_t, t=t: lp.step(h, h0_t, t),))
             states.append(h)
             h0_loops.append(h0_t)
             leaves.append(w_t)
-        loss = lm_loss(lp.coda(lp.state(h)), targets)
+        loss = lm_loss(lp.readout(h), targets)
         names = list(shared)
         once_flat = [(g, n, p) for g, ps in once.items() for n, p in ps.items()]
-        uniq_states = [s for i, s in enumerate(states) if all(s is not x for x in states[:i])]
-        inputs = ([w[n] for w in leaves for n in names] + uniq_states + [h0_init] + h0_loops
-                  + [p for _, _, p in once_flat])
+        # a carried state may be a structure of tensors: its adjoint is the gradient of every tensor in it
+        state_leaves = [tree_leaves(s) for s in states]
+        uniq = _unique([x for ls in state_leaves for x in ls])
+        h0_init_leaves = tree_leaves(h0_init)
+        h0_loop_leaves = [tree_leaves(x) for x in h0_loops]
+        inputs = ([w[n] for w in leaves for n in names] + uniq + h0_init_leaves
+                  + [x for ls in h0_loop_leaves for x in ls] + [p for _, _, p in once_flat])
         grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         per_loop = {}
         flat = grads[:r * len(names)]
@@ -105,30 +132,34 @@ def loop_gradients(model, tokens: torch.Tensor, targets: torch.Tensor, loops: in
             gs = [flat[t * len(names) + i] for t in range(r)]
             per_loop[n] = torch.stack([torch.zeros_like(shared[n]) if g is None else g for g in gs])
         pos = r * len(names)
-        g_states = dict(zip(map(id, uniq_states), grads[pos:pos + len(uniq_states)]))
-        pos += len(uniq_states)
-        adj = np.array([0.0 if g_states[id(s)] is None else float(g_states[id(s)].double().norm())
-                        for s in states])
-        c_init = grads[pos]
-        c_loops = list(grads[pos + 1:pos + 1 + r])
-        direct = grads[pos + 1 + r:]
+        g_states = dict(zip(map(id, uniq), grads[pos:pos + len(uniq)]))
+        pos += len(uniq)
+        adj = np.array([_norm([g_states[id(x)] for x in ls]) for ls in state_leaves])
+        n0 = len(h0_init_leaves)
+        c_init = list(grads[pos:pos + n0])
+        pos += n0
+        c_loops = [list(grads[pos + t * n0:pos + (t + 1) * n0]) for t in range(r)]
+        direct = grads[pos + r * n0:]
         # weights used before the loop: VJPs through the prelude's graph, one per cotangent that exists
         once_params = [p for _, _, p in once_flat]
-        zeros = [torch.zeros_like(p) for p in once_params]
+        h0_leaves = tree_leaves(h0)
 
         def vjp(c):
-            if c is None or not once_params or not h0.requires_grad:
-                return zeros
-            gs = torch.autograd.grad(h0, once_params, grad_outputs=c, retain_graph=True, allow_unused=True)
+            pairs = [(x, g) for x, g in zip(h0_leaves, c) if g is not None and x.requires_grad]
+            if not pairs or not once_params:
+                return None
+            gs = torch.autograd.grad([x for x, _ in pairs], once_params, grad_outputs=[g for _, g in pairs],
+                                     retain_graph=True, allow_unused=True)
             return [torch.zeros_like(p) if g is None else g for g, p in zip(gs, once_params)]
 
         base = [torch.zeros_like(p) if g is None else g for g, p in zip(direct, once_params)]
         per_k, acc = [], base
         for k in range(1, r + 1):  # truncation to the last k loops adds loop r-k+1's use of h0
             add = vjp(c_loops[r - k])
-            acc = [a + b for a, b in zip(acc, add)] if c_loops[r - k] is not None else acc
+            acc = [a + b for a, b in zip(acc, add)] if add is not None else acc
             if k == r:
-                acc = [a + b for a, b in zip(acc, vjp(c_init))] if c_init is not None else acc
+                add = vjp(c_init)
+                acc = [a + b for a, b in zip(acc, add)] if add is not None else acc
             per_k.append(acc)
     once_out = {g: [{n: per_k[k][i] for i, (gg, n, _) in enumerate(once_flat) if gg == g} for k in range(r)]
                 for g in once}

@@ -52,7 +52,7 @@ def halting(model, tokens: torch.Tensor, targets: torch.Tensor, loops: int | Non
     mask = targets != -100
     n = thr.size
     with torch.no_grad():
-        states, readout, T = states_for(model, tokens, r, horizon, trace)
+        states, read, T = states_for(model, tokens, r, horizon, trace)
         B, L = tokens.shape
         dev = states.device
         th = torch.as_tensor(thr, dtype=torch.float64, device=dev).view(n, 1, 1)
@@ -60,10 +60,10 @@ def halting(model, tokens: torch.Tensor, targets: torch.Tensor, loops: int | Non
         done = torch.zeros((n, B, L), dtype=torch.bool, device=dev)
         loss_at = torch.zeros((n, B, L), dtype=torch.float32, device=dev)
         correct_at = torch.zeros((n, B, L), dtype=torch.float32, device=dev)
-        prev = token_stats(readout(states[0]))[0] if criterion == "kl" else None
+        prev = token_stats(read(0))[0] if criterion == "kl" else None
         crit_mean = []
         for t in range(1, r + 1):
-            lp, loss, correct = token_stats(readout(states[t]), targets)
+            lp, loss, correct = token_stats(read(t), targets)
             if criterion == "kl":
                 crit = kl(lp, prev)
                 prev = lp

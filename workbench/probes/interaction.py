@@ -7,10 +7,11 @@ import torch
 import xarray as xr
 
 from ..models.looped import LoopLM
-from ._common import attrs, check_horizon, check_int, check_tokens, occurrences
+from ._common import attrs, check_horizon, check_int, check_tokens, has_places, occurrences, training_loops
+from .protocol import Loopable
 
 
-def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *, horizon: int | None = None,
+def interaction(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: int | None = None,
                 chunk: int | None = None) -> xr.Dataset:
     """Return a Dataset of C(i -> j) over (`source`, `target`), its mean by loop `lag`, and the terminal-to-core ratio.
 
@@ -24,17 +25,21 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
     them outside the terminal stage (SPEC §3); NaN only when no such pair exists (a single loop without
     a coda). `update_norm` is mean_tokens |u_j| over `target`.
 
-    Needs a LoopLM (named block occurrences). Cost: one plain pass that keeps its states, then, for
-    each stage (prelude, each loop, coda), one pass of that stage's skip variants stacked along the
-    batch (at most `chunk` variants per pass, default enough for ~32k token rows), started from the
-    plain pass's state entering that stage, so nothing before it is recomputed.
+    Needs named block occurrences: a LoopLM, or a Loopable with `places` (as `from_transformers`
+    gives; for Inkling2Loop an occurrence is a decoder layer and u_j its hidden output minus input).
+    Cost for a LoopLM: one plain pass that keeps its states, then, for each stage (prelude, each
+    loop, coda), one pass of that stage's skip variants stacked along the batch (at most `chunk`
+    variants per pass, default enough for ~32k token rows), started from the plain pass's state
+    entering that stage, so nothing before it is recomputed. A Loopable runs each chunk of variants
+    from the tokens (its carried state need not stack along the batch).
     """
-    if not isinstance(model, LoopLM):
-        raise TypeError(f"interaction needs a LoopLM (named block occurrences), got {type(model).__name__}")
+    if not has_places(model):
+        what = "a Loopable without places" if isinstance(model, Loopable) else type(model).__name__
+        raise TypeError(f"interaction needs named block occurrences (a LoopLM, or a Loopable with places), got {what}")
     tokens = check_tokens(tokens, model)
-    cfg = model.cfg
-    r = check_int("loops", cfg.loops if loops is None else loops, 1)
-    T = check_horizon(model, r, horizon)
+    r = check_int("loops", training_loops(model) if loops is None else loops, 1)
+    looplm = isinstance(model, LoopLM)
+    T = check_horizon(model, r, horizon) if looplm else r
     B, L = tokens.shape
     chunk = check_int("chunk", max(1, 32768 // (B * L)) if chunk is None else chunk, 1)
     occ = occurrences(model, r)
@@ -43,6 +48,10 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
     n = len(occ)
     blocks = ("prelude.*", "core.*", "coda.*")
 
+    def run_loopable(tok, hook):
+        _, carried = model.run(tok, r, hook=hook)
+        model.readout(carried[-1], hook=hook)
+
     with torch.no_grad():
         # ---- the plain pass: every update u_j and every loop state --------------------------------
         base_u: dict[int, torch.Tensor] = {}
@@ -50,14 +59,17 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
         def keep(name, x_in, x_out):
             base_u[index[name]] = x_out - x_in
 
-        base = model.run(tokens, r, horizon=T, keep_states=True, hooks=dict.fromkeys(blocks, keep), coda=True)
+        if looplm:
+            base = model.run(tokens, r, horizon=T, keep_states=True, hooks=dict.fromkeys(blocks, keep), coda=True)
+        else:
+            run_loopable(tokens, keep)
         den = torch.stack([base_u[j].float().norm(dim=-1).mean() for j in range(n)])
         num = torch.full((n, n), float("nan"), dtype=torch.float32, device=den.device)
 
         # ---- the skip variants of each stage, stacked along the batch, from the state entering it --
         def stage(j: int) -> int:  # 0 prelude, t for loop t, r + 1 coda
             kind, t = occ[j][1], occ[j][2]
-            return 0 if kind == "prelude" else t
+            return 0 if kind == "prelude" or not looplm else t
 
         sources = list(range(n - 1))  # skipping the last occurrence changes nothing later
         for S in sorted({stage(j) for j in sources}):
@@ -79,7 +91,9 @@ def interaction(model: LoopLM, tokens: torch.Tensor, loops: int | None = None, *
                     return None
 
                 hooks = dict.fromkeys(blocks, act)
-                if S == 0:
+                if not looplm:
+                    run_loopable(tokens.repeat(m, 1), act)
+                elif S == 0:
                     model.run(tokens.repeat(m, 1), r, horizon=T, hooks=hooks, coda=True)
                 else:
                     model.run(None, r, horizon=T, hooks=hooks, coda=True, start=base.start(S - 1).repeat(m))

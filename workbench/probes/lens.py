@@ -12,7 +12,10 @@ from ._common import (attrs, check_horizon, check_int, check_model, check_target
 
 
 def states_for(model, tokens: torch.Tensor, loops: int, horizon, trace: LoopTrace | None):
-    """Return (states, readout, horizon) from the given trace (checked against loops) or one new pass."""
+    """Return (states, read, horizon) from the given trace (checked against loops) or one new pass.
+
+    read(t) is the logits of the state after loop t (see `trace_states`).
+    """
     if trace is not None:
         if not isinstance(model, LoopLM) or not isinstance(trace, LoopTrace):
             raise ValueError("trace must be a LoopTrace of the LoopLM being probed")
@@ -21,10 +24,10 @@ def states_for(model, tokens: torch.Tensor, loops: int, horizon, trace: LoopTrac
         if tuple(trace.states.shape[1:3]) != tuple(tokens.shape):
             raise ValueError(f"trace was taken on a batch of shape {tuple(trace.states.shape[1:3])}, "
                              f"tokens have shape {tuple(tokens.shape)}")
-        return trace.states, model.readout, trace.horizon
+        return trace.states, lambda t: model.readout(trace.states[t]), trace.horizon
     T = check_horizon(model, loops, horizon) if isinstance(model, LoopLM) else None
-    states, readout = trace_states(model, tokens, loops, T)
-    return states, readout, (loops if T is None else T)
+    states, read = trace_states(model, tokens, loops, T)
+    return states, read, (loops if T is None else T)
 
 
 def lens(model, tokens: torch.Tensor, targets: torch.Tensor, loops: int | None = None, *,
@@ -43,11 +46,11 @@ def lens(model, tokens: torch.Tensor, targets: torch.Tensor, loops: int | None =
     r = check_int("loops", training_loops(model) if loops is None else loops, 1)
     mask = targets != -100
     with torch.no_grad():
-        states, readout, T = states_for(model, tokens, r, horizon, trace)
-        lp_r, _, _ = token_stats(readout(states[r]))
+        _, read, T = states_for(model, tokens, r, horizon, trace)
+        lp_r, _, _ = token_stats(read(r))
         rows = []
         for t in range(1, r + 1):
-            lp, loss, correct = token_stats(readout(states[t]), targets)
+            lp, loss, correct = token_stats(read(t), targets)
             entropy = -(lp.exp() * lp).sum(-1)
             rows.append((masked_mean(loss, mask), masked_mean(correct, mask), masked_mean(entropy, mask),
                          masked_mean(kl(lp_r, lp), mask)))

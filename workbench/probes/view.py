@@ -15,8 +15,8 @@ import torch
 import xarray as xr
 
 from ..models.looped import LoopLM
-from ._common import (angular_distance, attrs, check_horizon, check_int, check_targets, check_tokens, kl,
-                      masked_mean, relative_update, token_stats, training_loops)
+from ._common import (angular_distance, attrs, check_horizon, check_int, check_model, check_targets, check_tokens,
+                      kl, masked_mean, relative_update, token_stats, training_loops, vocab_size)
 
 # floats of logits reduced at once (1 MB in fp32): cache-sized chunks (one loop of 256 tokens x 4096 ids)
 # made the view twice as fast as 128 MB ones on CPU, and keep memory flat at any vocabulary
@@ -69,9 +69,9 @@ def pca_path(states: torch.Tensor, dims: int) -> tuple[torch.Tensor, np.ndarray]
     return P.reshape(*states.shape[:2], dims), share
 
 
-def loop_view(model: LoopLM, tokens, loops: int | None = None, *, targets=None, top_k: int = 10, dims: int = 3,
+def loop_view(model, tokens, loops: int | None = None, *, targets=None, top_k: int = 10, dims: int = 3,
               horizon: int | None = None) -> xr.Dataset:
-    """Return the Dataset of one prompt seen at every loop 1..loops, from ONE `model.trace`.
+    """Return the Dataset of one prompt seen at every loop 1..loops, from ONE `model.trace` (or `Loopable.run`).
 
     `tokens` is one prompt: [seq] ids (list, array or tensor) or a [1, seq] tensor. `targets`
     (same shape; -100 = none) are the tokens each position should predict, by default the prompt's
@@ -79,6 +79,8 @@ def loop_view(model: LoopLM, tokens, loops: int | None = None, *, targets=None, 
     model (timestep conditioning) is traced with T = `horizon` (default `loops`), so every loop is a
     loop of one T-loop run. Dims `loop` (1..r), `token` (position 0..seq-1), `rank` (1..top_k),
     `state` (0..r, 0 = h0) and `component` (1..dims); coords `token_id` and `target_id` on `token`.
+    `model` is a LoopLM or a Loopable (its measured states are the `reduce`d carried states, each
+    loop read out from its carried state; it has no horizon).
 
     Per loop and position (`token_*`) and their means over positions (nats where a loss):
     - `loss`: logit-lens next-token cross-entropy of the state after loop t read out by coda + head,
@@ -90,22 +92,36 @@ def loop_view(model: LoopLM, tokens, loops: int | None = None, *, targets=None, 
     - `pca` [state, token, component]: states 0..r on the top principal components of all of them,
       `explained_variance` [component]: the share of variance each explains.
     """
-    if not isinstance(model, LoopLM):
-        raise TypeError(f"model must be a LoopLM, got {type(model).__name__}")
+    check_model(model)
+    looplm = isinstance(model, LoopLM)
     ids = check_tokens(_prompt(tokens, "tokens"), model)
     R = check_int("loops", training_loops(model) if loops is None else loops, 1)
-    T_h = check_horizon(model, R, horizon)
-    k = min(check_int("top_k", top_k, 1), model.cfg.vocab_size)
+    T_h = check_horizon(model, R, horizon) if looplm else R
+    top_k = check_int("top_k", top_k, 1)
     dims = check_int("dims", dims, 2, 3)
     if targets is None:
         targets = torch.full_like(ids, -100)
         targets[:, :-1] = ids[:, 1:]
     else:
         targets = check_targets(_prompt(targets, "targets"), ids, model)
-    T, V = ids.shape[1], model.cfg.vocab_size
+    T = ids.shape[1]
     mask = targets != -100
     with torch.inference_mode():
-        states = model.trace(ids, loops=R, horizon=T_h).states[:, 0]  # [R+1, T, d]: the prompt is one row
+        if looplm:
+            states = model.trace(ids, loops=R, horizon=T_h).states[:, 0]  # [R+1, T, d]: the prompt is one row
+
+            def read(lo: int, hi: int) -> torch.Tensor:
+                # loops ride in the batch dim: the coda attends within a row, so rows stay independent
+                return model.readout(states[lo:hi])
+        else:
+            _, carried = model.run(ids, R)
+            states = torch.stack([model.state(h)[0] for h in carried])
+
+            def read(lo: int, hi: int) -> torch.Tensor:
+                # a carried state need not stack along the batch, so each loop is read out alone
+                return torch.cat([model.readout(carried[t]) for t in range(lo, hi)])
+        V = vocab_size(model) or int(read(0, 1).shape[-1])
+        k = min(top_k, V)
         tok_angle = angular_distance(states[:-1], states[1:])  # [R, T]
         tok_update = relative_update(states[:-1], states[1:])
         chunk = max(1, _LOGIT_BUDGET // max(1, T * V))  # loops per readout
@@ -114,8 +130,7 @@ def loop_view(model: LoopLM, tokens, loops: int | None = None, *, targets=None, 
         rows = {n: [] for n in ("loss", "kl", "top_p", "top_i", "tp", "rank")}
         for lo in range(0, R + 1, chunk):
             hi = min(R + 1, lo + chunk)
-            # loops ride in the batch dim: the coda attends within a row, so rows stay independent
-            lp, _, _ = token_stats(model.readout(states[lo:hi]))  # without targets: no argmax we'd not use
+            lp, _, _ = token_stats(read(lo, hi))  # without targets: no argmax we'd not use
             lt_all = lp.gather(-1, tgt_all.expand(hi - lo, T).unsqueeze(-1))  # log p of the target, [n, T, 1]
             prev = lp[:-1] if lp_prev is None else torch.cat([lp_prev, lp[:-1]])
             cur = lp if lp_prev is not None else lp[1:]  # state 0 has no previous loop

@@ -15,7 +15,10 @@ figures inside `batch_update()` and never runs the model. Scripts and tests driv
 (the FigureWidgets by name).
 
 The explorer draws; it does not find or train models (`workbench.experiments.open_model` does). A
-run or checkpoint folder typed in its model box is opened with `workbench.io.open_run`. Bad input
+run or checkpoint folder typed in its model box is opened with `workbench.io.open_run`. Besides a
+LoopLM it shows any `workbench.probes.Loopable` and a looped transformers model given directly
+(wrapped by `workbench.probes.from_transformers`): the same slider, figures and view; only the
+"generate" button needs a LoopLM (its key/value cache) and is disabled otherwise. Bad input
 (an empty prompt, a folder that cannot be read or does not fit its config or the tokenizer) is shown
 as a message in the widget, never as a traceback; a prompt longer than the model's context is cut
 to its last `max_seq_len` tokens, with a note saying so.
@@ -33,6 +36,7 @@ from ..data.corpus import ByteTokenizer
 from ..io import open_run
 from ..models.looped import LoopLM
 from ..config import check_int
+from ..probes.protocol import Loopable, from_transformers
 from ..probes.view import loop_view
 from .figures import integer_ticks
 
@@ -81,16 +85,44 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def check_fit(model: LoopLM, tokenizer) -> None:
+def as_shown(model) -> LoopLM | Loopable:
+    """Return the model as the explorer shows it: a LoopLM or Loopable as given, a looped transformers model wrapped.
+
+    Raises ExplorerInputError naming what it got when it is none of these (`from_transformers` names
+    a transformers class it has no adapter for).
+    """
+    if isinstance(model, (LoopLM, Loopable)):
+        return model
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        try:
+            return from_transformers(model)
+        except ValueError as e:
+            raise ExplorerInputError(str(e)) from None
+    raise ExplorerInputError(f"model must be a LoopLM, a Loopable, a looped transformers model or a run folder "
+                             f"path, got {type(model).__name__}")
+
+
+def model_facts(model: LoopLM | Loopable) -> dict:
+    """Return what the explorer says and checks about a model: name, vocab, context, K (None where unknown)."""
+    if isinstance(model, LoopLM):
+        c = model.cfg
+        return {"name": f"{c.notation} · d={c.d_model}", "vocab": c.vocab_size, "context": c.max_seq_len,
+                "K": c.loops}
+    return {"name": model.name or "a Loopable", "vocab": model.vocab_size, "context": model.context,
+            "K": int(model.training_loops)}
+
+
+def check_fit(model: LoopLM | Loopable, tokenizer) -> None:
     """Raise ExplorerInputError unless the tokenizer's ids all lie in the model's vocabulary."""
-    if not isinstance(model, LoopLM):
-        raise ExplorerInputError(f"model must be a LoopLM or a run folder path, got {type(model).__name__}")
+    if not isinstance(model, (LoopLM, Loopable)):
+        raise ExplorerInputError(f"model must be a LoopLM, a Loopable or a run folder path, got {type(model).__name__}")
     if tokenizer is None or not hasattr(tokenizer, "encode") or not hasattr(tokenizer, "decode"):
-        raise ExplorerInputError("a tokenizer with encode() and decode() is needed for a LoopLM given directly")
+        raise ExplorerInputError("a tokenizer with encode() and decode() is needed for a model given directly")
     n = getattr(tokenizer, "vocab_size", None)
-    if n is not None and n > model.cfg.vocab_size:
-        raise ExplorerInputError(f"the tokenizer has {n} ids but the model's vocab_size is {model.cfg.vocab_size}: "
-                                 f"they belong to different configs ({model.cfg.notation})")
+    facts = model_facts(model)
+    if n is not None and facts["vocab"] is not None and n > facts["vocab"]:
+        raise ExplorerInputError(f"the tokenizer has {n} ids but the model's vocab_size is {facts['vocab']}: "
+                                 f"they belong to different configs ({facts['name']})")
 
 
 def open_path(path, tokenizer=None, device=None) -> tuple[LoopLM, object]:
@@ -127,10 +159,11 @@ def _shape_line(x: float, xref: str, yref: str, dash: str, color: str) -> dict:
 class LoopExplorer:
     """A loop slider, prompt box and token selector over four live FigureWidgets of one cached trace.
 
-    `model` is a LoopLM (with `tokenizer`) or a run / checkpoint folder (opened by `io.open_run`,
-    with the run's tokenizer; the folder then shows in the model box). `source` says where a LoopLM
-    given directly came from (e.g. `experiments.open_model`'s third value); the model box and the
-    line above it show it. Display it in a notebook as the last expression of a cell (or
+    `model` is a LoopLM, a Loopable or a looped transformers model (each with `tokenizer`; a
+    transformers model is wrapped by `probes.from_transformers`) or a run / checkpoint folder
+    (opened by `io.open_run`, with the run's tokenizer; the folder then shows in the model box).
+    `source` says where a model given directly came from (e.g. `experiments.open_model`'s third
+    value); the model box and the line above it show it. Display it in a notebook as the last expression of a cell (or
     `display(explorer.widget)`). `view` is the `loop_view` Dataset on screen, `labels` its tokens' labels.
     """
 
@@ -144,7 +177,7 @@ class LoopExplorer:
         self.dims = check_int("dims", dims, 2, 3)
         self.device = torch.device(device) if device is not None else default_device()
         self._max_loops_arg = max_loops
-        self.model: LoopLM | None = None
+        self.model: LoopLM | Loopable | None = None
         self.tokenizer = None
         self.view = None  # the loop_view Dataset of the prompt shown
         self.labels: list[str] = []  # a visible label per prompt position
@@ -232,10 +265,10 @@ class LoopExplorer:
         """Return the slider's range end R (default 4 K for the model shown)."""
         if self._max_loops_arg is not None:
             return self._max_loops_arg
-        return 4 * self.model.cfg.loops if self.model is not None else 16
+        return 4 * model_facts(self.model)["K"] if self.model is not None else 16
 
     def set_model(self, model, tokenizer=None) -> None:
-        """Show another model (a LoopLM or a checkpoint path): traces the current prompt once.
+        """Show another model (LoopLM, Loopable, looped transformers model, checkpoint path): traces the prompt once.
 
         Raises ExplorerInputError when it cannot be used (the widget callbacks show it as a message);
         the model shown before stays.
@@ -245,15 +278,18 @@ class LoopExplorer:
             model, tokenizer = open_path(model, tokenizer, self.device)
             where = folder
         else:
+            model = as_shown(model)
             check_fit(model, tokenizer)
-            model = model.to(self.device)
+            # a Loopable's weights stay where they are: it holds closures over a model, not one module
+            model = model.to(self.device) if isinstance(model, LoopLM) else model
             folder, where = None, self._source_arg if self.model is None else None
         old = (self.model, self.tokenizer, self.source.value, self.path.value, self.path.placeholder)
         self.model, self.tokenizer = model, tokenizer
-        c = model.cfg
-        self.source.value = html.escape(f"{where + ' · ' if where else ''}{c.notation} · d={c.d_model} · "
-                                        f"vocab={c.vocab_size} · context {c.max_seq_len} · trained at K={c.loops} · "
-                                        f"{self.device}")
+        f = model_facts(model)
+        device = self.device if isinstance(model, LoopLM) else (model.device() or "cpu")
+        self.source.value = html.escape(f"{where + ' · ' if where else ''}{f['name']} · vocab={f['vocab']} · "
+                                        f"context {f['context']} · trained at K={f['K']} · {device}")
+        self.gen_button.disabled = not isinstance(model, LoopLM)
         # the model box names the model shown: its folder, else where it came from (type a folder to change it)
         self.path.value = folder or ""
         self.path.placeholder = (f"{where or 'a model given in code'} (type a run folder and press load to "
@@ -277,13 +313,14 @@ class LoopExplorer:
         if not ids:
             raise ExplorerInputError("the prompt is empty after tokenization: type some text")
         note = ""
-        ctx = self.model.cfg.max_seq_len
-        if len(ids) > ctx:
+        facts = model_facts(self.model)
+        ctx = facts["context"]
+        if ctx is not None and len(ids) > ctx:
             note = (f"the prompt is {len(ids)} tokens but the model's context is {ctx}: "
                     f"showing its last {ctx} tokens")
             ids = ids[-ctx:]
-        V = self.model.cfg.vocab_size
-        if max(ids) >= V or min(ids) < 0:
+        V = facts["vocab"]
+        if (V is not None and max(ids) >= V) or min(ids) < 0:
             raise ExplorerInputError(f"the tokenizer produced ids up to {max(ids)} but the model's vocab_size is {V}")
         return np.asarray(ids, dtype=np.int64), note
 
@@ -297,7 +334,7 @@ class LoopExplorer:
         self.traces += 1
         self.view, self.labels, self.text = view, labels, text
         notes = [note] if note else []
-        if self.model.horizon_dependent:
+        if isinstance(self.model, LoopLM) and self.model.horizon_dependent:
             notes.append(f"this model's loops depend on the total loop count (timestep conditioning): "
                          f"every loop shown is a loop of one {R}-loop run, not a run of that many loops")
         if len(ids) == 1:
@@ -315,6 +352,9 @@ class LoopExplorer:
 
         if self.model is None:
             raise ExplorerInputError("no model loaded")
+        if not isinstance(self.model, LoopLM):
+            raise ExplorerInputError("generate needs a LoopLM (it decodes with its key/value cache); "
+                                     "this model is shown through the probes only")
         ids, _ = self._encode(self.text)
         R = self.max_loops
         n = min(check_int("new_tokens", new_tokens, 1), self.model.cfg.max_seq_len - len(ids))
