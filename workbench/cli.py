@@ -128,6 +128,66 @@ def _train_cmd(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+def export(args: argparse.Namespace) -> int:
+    """Return 0 after writing the run folder RUN as a Hugging Face model folder DIR (`models.hf_looped.export`).
+
+    DIR holds config.json (the LoopConfig and the loop count in use), model.safetensors,
+    generation_config.json and the tokenizer files; after `import workbench.models.hf_looped` it opens
+    with AutoModelForCausalLM and AutoTokenizer. RUN and DIR are checked before anything is written.
+    """
+    from pathlib import Path
+
+    from .config import check_int, fail
+    from .io import find_run, open_run
+
+    loops = None if args.loops is None else check_int("--loops", args.loops, 1, allowed="must be an integer >= 1 "
+                                                      "(the number of passes through the core)")
+    try:
+        run_dir, _ = find_run(args.run)
+    except FileNotFoundError as e:
+        raise ValueError(f"RUN={args.run!r} is not a run folder: {e}") from None
+    from .models import hf_looped
+
+    out = Path(args.dir).expanduser()
+    if out.is_dir() and (out.resolve() == run_dir.resolve() or _holds_training_run(out)):
+        fail("DIR", args.dir, "holds a training run: give another folder (an export never replaces a run)")
+    hf_looped.check_export_target(out, args.overwrite)
+    model, tokenizer = open_run(args.run, device="cpu")
+    hf_looped.export(model, tokenizer, out, loops=loops, overwrite=args.overwrite)
+    r = model.cfg.loops if loops is None else loops
+    print(f"exported {model.cfg.notation} (loops={r}) from {run_dir} to {out}: config.json, model.safetensors, "
+          "tokenizer files; open it after `import workbench.models.hf_looped` with "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) (any loop count: model(ids, loops=r))")
+    return 0
+
+
+def _holds_training_run(folder) -> bool:
+    """Return True if the folder holds a training run's files (an export holds config.json and tokenizer.json too)."""
+    import json
+
+    from .io import LATEST, RUN_CONFIG
+
+    if (folder / LATEST).exists() or any(folder.glob("ckpt-*")):
+        return True
+    try:
+        data = json.loads((folder / RUN_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"model", "train"} <= set(data)
+
+
+def _export_cmd(args: argparse.Namespace) -> int:
+    """Return the exit status of `workbench export`: one line per error (a traceback only with --debug)."""
+    try:
+        return export(args)
+    except (ValueError, TypeError, OSError, ImportError) as e:  # bad input, a missing extra, an unreadable file
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split())
+        print(f"workbench export: {msg} (run with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
 def _pipeline_cmd(args: argparse.Namespace) -> int:
     """Return the exit status of a pipeline command: run, status, report or clean."""
     from . import pipeline
@@ -188,6 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--overwrite", action="store_true", help="replace the run already in --out (default: refuse)")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
     t.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    x = sub.add_parser("export", help="write a run as a Hugging Face model folder (AutoModelForCausalLM, any "
+                                      "loop count)")
+    x.add_argument("run", metavar="RUN", help="run folder (or a checkpoint folder in one) to export")
+    x.add_argument("dir", metavar="DIR", help="folder to write (absent or empty; see --overwrite)")
+    x.add_argument("--loops", type=int,
+                   help="config.loops: the loop count forward and generate use unless given loops= (default: the "
+                        "training K)")
+    x.add_argument("--overwrite", action="store_true", help="replace a model exported to DIR before (default: refuse)")
+    x.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     for name, text in (("run", "run a pipeline's notebooks (skips runs that already completed)"),
                        ("status", "show each run of a pipeline: done, failed, partial, pending or stale"),
                        ("report", "(re)write runs/<pipeline>/report.html"),
@@ -220,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return _pipeline_cmd(args)
     if args.cmd == "train":
         return _train_cmd(args)
+    if args.cmd == "export":
+        return _export_cmd(args)
     if args.cmd == "demo":
         if args.steps < 1:
             parser.error(f"--steps={args.steps} is invalid: must be >= 1")

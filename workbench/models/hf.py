@@ -6,7 +6,8 @@ base's layers 0..n-1, so its logits equal the base's (SPEC §5). Families (`FAMI
 read from the weights, so no flag is needed). `to_hf` writes a `LlamaForCausalLM` either way. Bases to
 convert: `load_base` reads one offline from a local directory written by `save_pretrained` or from a
 GGUF file (`load_gguf`; SmolLM2's: `experiments.retrofit.load_smollm2`, which also gives its
-tokenizer), `random_llama` / `random_qwen2` draw tiny seeded ones for fast runs.
+tokenizer), `random_llama` / `random_qwen2` draw tiny seeded ones for fast runs. A LoopLM with loop
+extras, or at r > 1, is a transformers model through `models.hf_looped` instead (its own model_type).
 """
 
 from __future__ import annotations
@@ -138,14 +139,15 @@ def from_hf(llama, prelude: int, core: int, coda: int, loops: int = 1, seed: int
 
 
 def to_hf(model: LoopLM):
-    """Return a LlamaForCausalLM with layers prelude + core + coda in order (the LoopLM at loops=1)."""
+    """Return a LlamaForCausalLM with layers prelude + core + coda in order (the LoopLM at loops=1; any r: hf_looped)."""
     transformers = _transformers()
     cfg = model.cfg
     extras = [f"{k}={getattr(cfg, k)!r}" for k, v in _LOOP_DEFAULTS.items() if getattr(cfg, k) != v]
     if extras:
         raise ValueError(f"to_hf needs a plain LoopLM, but the config has {', '.join(extras)}; a "
                          f"LlamaForCausalLM has no loop extras, sandwich norms or per-layer MLP widths "
-                         f"(needs {', '.join(f'{k}={v!r}' for k, v in _LOOP_DEFAULTS.items())})")
+                         f"(needs {', '.join(f'{k}={v!r}' for k, v in _LOOP_DEFAULTS.items())}); "
+                         "workbench.models.hf_looped exports any LoopLM at any loop count instead")
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_mean,
         num_hidden_layers=cfg.physical_layers, num_attention_heads=cfg.n_heads,
