@@ -232,6 +232,10 @@ def test_taper_summary_pairs_each_schedule_with_uniform_of_the_same_seed(tmp_pat
                                                                      abs=1e-6)
     assert float(s.vs_uniform.sel(taper="uniform")) == 0.0
     assert taper_rows(s)[1].startswith("| cosine | 1 | ")
+    # per seed, the mean paired difference; over seeds a t interval, which one seed cannot give
+    assert float(s.vs_uniform_per_seed.sel(taper="cosine", seed=0)) == pytest.approx(float(s.vs_uniform.sel(
+        taper="cosine")), abs=1e-9)
+    assert np.isnan(float(s.vs_uniform_seed_low.sel(taper="cosine")))
 
 
 def test_committed_phi_fit_holds_the_numbers_the_document_quotes():
