@@ -193,7 +193,7 @@ def plant_phi_run(root, key, params, loss, n_once, n_rec):
 
 @pytest.mark.parametrize("slope", [-0.3, 0.0])
 def test_phi_ladder_recovers_a_planted_phi_and_says_when_the_ladder_is_flat(tmp_path, slope):
-    from workbench.experiments.findings import phi_ladder
+    from workbench.experiments.findings import phi_ladder, phi_ladder_rows
 
     rng = np.random.default_rng(4)
     phi, a, once, layer = 0.5, 8.0, 2000.0, 1000.0  # N_once: prelude + coda; each core layer 1000 parameters
@@ -210,5 +210,7 @@ def test_phi_ladder_recovers_a_planted_phi_and_says_when_the_ladder_is_flat(tmp_
         assert out.phi_mean.sel(loops=[2, 4, 8]).values.ravel() == pytest.approx([phi] * 3, abs=0.05)
         assert (out.phi_low < phi).all() and (out.phi_high > phi).all()
         assert out.slope_mean.item() == pytest.approx(slope, abs=0.01)
+        assert phi_ladder_rows(out)[0].startswith("| d32 100 steps | -0.30") and "r = 4: 0.50 [" in phi_ladder_rows(out)[0]
     else:
         assert not bool(out.identified.item())  # no capacity effect: phi cannot be read off the ladder
+        assert "not identifiable" in phi_ladder_rows(out)[0]

@@ -594,3 +594,18 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
     out.attrs = {"interval": "95% Student t over seeds (phi per seed from that seed's ladder)",
                  "ladder_fit": "loss = a + slope * ln(N_once + N_rec) over the non-looped runs of a cell and seed"}
     return out
+
+
+def phi_ladder_rows(summary: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's rows for a phi_ladder summary: cell, ladder slope, and phi per loop count (or why none)."""
+    out = []
+    for c in summary.cell.values:
+        s = summary.sel(cell=c)
+        slope = fmt(float(s.slope_mean), float(s.slope_low), float(s.slope_high), 3)
+        if bool(s.identified):
+            phis = "; ".join(f"r = {int(r)}: {fmt(float(s.phi_mean.sel(loops=r)), float(s.phi_low.sel(loops=r)), float(s.phi_high.sel(loops=r)))}"
+                             for r in s.loops.values)
+        else:
+            phis = "not identifiable: the ladder's slope interval holds 0 (no capacity effect in this cell)"
+        out.append(f"| {c} | {slope} | {phis} |")
+    return out
