@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import nn
 
 # A branch modulation: (gate g, shift s). g multiplies the branch output (a scalar or [d]); s, if not
@@ -156,26 +157,25 @@ class Attention(nn.Module):
         and values and attends over every cached position; rope then holds the new positions' tables.
         `adapt=False` leaves the adapters out: exactly the plain layer's computation.
         """
-        B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         # Three matmuls on row slices of the fused weight rather than one matmul split afterwards: the
         # split's backward concatenates the activation gradients, a copy per layer occurrence per step.
         x = autocast_input(x)
         W, b, ad = self.qkv.weight, self.qkv.bias, self.qkv_adapter if adapt else None
         z = None if ad is None else ad.down(x)
-        q, k, v = (_linear(x, W, b, ad, z, i, j).view(B, T, -1, hd).transpose(1, 2)
+        q, k, v = (rearrange(_linear(x, W, b, ad, z, i, j), "b t (heads hd) -> b heads t hd", hd=hd)
                    for i, j in ((0, H * hd), (H * hd, (H + KV) * hd), ((H + KV) * hd, (H + 2 * KV) * hd)))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is None and KV != H:
             # repeat rather than enable_gqa: the CPU flash kernel does not take enable_gqa
-            k = k.repeat_interleave(H // KV, dim=1)
-            v = v.repeat_interleave(H // KV, dim=1)
+            k = repeat(k, "b kv t hd -> b (kv group) t hd", group=H // KV)  # each key/value head serves a group
+            v = repeat(v, "b kv t hd -> b (kv group) t hd", group=H // KV)
         if kv is not None:  # cached generation: the entry stores k, v and attends over every cached position
             y = kv.attend(q, k, v)
         else:
             y = causal_attention(q, k, v)
-        y = y.transpose(1, 2).reshape(B, T, H * hd)
+        y = rearrange(y, "b heads t hd -> b t (heads hd)")
         if self.o_adapter is None or not adapt:
             return self.o(y)
         return _linear(y, self.o.weight, self.o.bias, self.o_adapter, self.o_adapter.down(y))
