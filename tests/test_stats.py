@@ -163,14 +163,16 @@ def test_sweep_keeps_each_sequences_loss_as_the_model_gives_it_alone():
     assert "sequence_loss" not in loop_sweep(m, data, [1], progress=False)
 
 
-@pytest.mark.slow  # two tokenizers trained on the stdlib corpus
 def test_runs_of_one_data_seed_share_a_tokenizer_and_differ_in_weights(tmp_path):
     from workbench.experiments.runs import load_run, train_notebook_args, train_run
 
+    (tmp_path / "text").mkdir()  # a small corpus: the tokenizer trains in a moment
+    (tmp_path / "text" / "a.py").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(600)))
     results = []
     for seed in (0, 1):
-        args = train_notebook_args(d_model=16, n_heads=2, n_kv_heads=1, core=1, loops=2, vocab_size=300, seq_len=16,
-                                   batch_size=2, steps=2, eval_loops=[1, 2], seed=seed, data_seed=5)
+        args = train_notebook_args(corpus=f"path:{tmp_path / 'text'}", d_model=16, n_heads=2, n_kv_heads=1, core=1,
+                                   loops=2, vocab_size=300, seq_len=16, batch_size=2, steps=2, eval_loops=[1, 2],
+                                   seed=seed, data_seed=5, tasks=["iterated"], task_ratio=0.3)
         results.append(train_run(tmp_path / str(seed), resume=False, **args))
     (run0, ds0), (run1, ds1) = results
     assert ds0.attrs["tokenizer"] == ds1.attrs["tokenizer"]  # one unit: losses of the two seeds compare
@@ -178,6 +180,12 @@ def test_runs_of_one_data_seed_share_a_tokenizer_and_differ_in_weights(tmp_path)
     assert load_run(tmp_path / "1").experiment["data_seed"] == 5
     assert ds0.window_loss.dims == ("loop", "window") and ds0.window_loss.sel(loop=2).mean() == pytest.approx(
         float(ds0.loss.sel(loop=2)), abs=1e-5)
+    # the default (data_seed = seed) is what runs before data_seed did: the text, so the tokenizer, follow the seed
+    args = train_notebook_args(corpus=f"path:{tmp_path / 'text'}", d_model=16, n_heads=2, n_kv_heads=1, core=1,
+                               loops=2, vocab_size=300, seq_len=16, batch_size=2, steps=2, eval_loops=[1, 2],
+                               seed=1, tasks=["iterated"], task_ratio=0.3)
+    _, own = train_run(tmp_path / "own", resume=False, **args)
+    assert own.attrs["tokenizer"] != ds0.attrs["tokenizer"]
     with pytest.raises(ValueError, match="data_seed"):
         train_notebook_args(data_seed=-2)
 
