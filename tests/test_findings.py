@@ -690,3 +690,21 @@ def test_committed_matched_truncation_findings_hold_the_numbers_the_document_quo
     assert int((s.per_seed > 0).sum()) == 60  # "every one of the 60 per-seed differences is positive"
     assert int((s.verdict_primary == "replicates").sum()) == 1 and int((s.verdict_all == "replicates").sum()) == 6
     assert s.sizes["seed"] == 3
+
+
+def test_committed_phi_ladder_holds_the_numbers_the_document_quotes():
+    from workbench.experiments.findings import phi_ladder, phi_ladder_rows
+    from workbench.stats import holm, seed_interval, simultaneous
+
+    s = xr.load_dataset(DOCS / "findings" / "phi_ladder" / "summary.nc", engine="h5netcdf")
+    assert phi_ladder_rows(phi_ladder(DOCS / "findings")) == phi_ladder_rows(s)  # the summary is what the runs give
+    text = (DOCS / "findings.md").read_text()
+    for row in phi_ladder_rows(s):
+        assert row in text, row
+    assert bool(s.identified.item()) and s.sizes["seed"] == 3
+    phis = {int(r): s.phi.sel(loops=r).values.ravel() for r in s.loops.values}
+    below_one = holm([seed_interval(1 - v).p for v in phis.values()])
+    assert [r for r, p in zip(phis, below_one) if p < 0.05] == [4]  # "φ < 1 holds at r = 4 only"
+    c = simultaneous(phis[4], 3)
+    assert f"[{c.low:.2f}, {c.high:.2f}]" in text and c.high < 1
+    assert all(simultaneous(phis[r], 3).high > 1 for r in (2, 8))
