@@ -639,7 +639,9 @@ def test_the_phi_grid_is_flat_in_r_and_spans_what_the_document_says():
     assert f"against {min(gap):.2f}-{max(gap):.2f} nats between d = 32\nand d = 64 at equal steps" in text, gap
     for claim, _, ours, verdict, _ in headline_rows():
         if claim.startswith("Recurrence-equivalence"):
-            assert verdict == "not identifiable with this grid" and "[" not in ours  # no fitted number as a result
+            # no number fitted from the phi_sweep grid as a result; the ladder's (seed intervals) may be quoted
+            assert verdict.startswith("not identifiable with the phi_sweep grid") and "0.94" not in ours
+            assert "depth ladder" in ours and "replicates" not in verdict
 
 
 def test_the_taper_runs_cost_what_the_document_says_and_change_sign_between_seeds():
