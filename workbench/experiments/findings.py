@@ -23,7 +23,7 @@ import xarray as xr
 
 from ..config import check_int
 from ..io import find_runs
-from ..stats import seed_interval
+from ..stats import holm, seed_interval, simultaneous, verdict
 
 
 def bootstrap_ci(values: Any, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -445,8 +445,6 @@ def truncation_pairs(runs_dir: str | os.PathLike, pipeline: str = "truncation",
     paper's own examples, and `all` pairs) is corrected on its own: `p_holm_*` (Holm) and
     `low_*`/`high_*` (level 1 - 0.05/m, Bonferroni), and `verdict_*` reads from the corrected interval.
     """
-    from ..stats import holm, seed_interval, simultaneous, verdict
-
     runs = [_window_losses(d) for d in find_runs(pipeline, "train", runs_dir)]
     if not runs:
         raise FileNotFoundError(f"no finished {pipeline}/train runs under {runs_dir}")
@@ -480,7 +478,7 @@ def truncation_pairs(runs_dir: str | os.PathLike, pipeline: str = "truncation",
     if not rows:
         raise ValueError(f"no full-BPTT run under {runs_dir} has a truncated run of more loops in its cell with "
                          "2 or more seeds: nothing to pair")
-    data: dict[str, Any] = {k: [q["ci"].__getattribute__(a) for q in rows]
+    data: dict[str, Any] = {k: [getattr(q["ci"], a) for q in rows]
                             for k, a in (("difference", "mean"), ("low", "low"), ("high", "high"), ("p", "p"), ("seeds", "n"))}
     for fam, members in (("all", [True] * len(rows)), ("primary", [q["primary"] for q in rows])):
         idx = [i for i, m in enumerate(members) if m]
@@ -544,7 +542,6 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
     `phi_low`/`phi_high` are 95% t intervals over the seeds' phi values.
     """
     from ..io import read_json
-    from ..stats import seed_interval
 
     runs = []
     for d in find_runs(pipeline, "train", runs_dir):
