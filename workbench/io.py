@@ -48,10 +48,104 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only: io sits below models at run time
     from .models.looped import LoopLM
 
-RUN_CONFIG = "config.json"
-TOKENIZER = "tokenizer.json"
-LATEST = "latest.json"
-RUN_FILES = (LATEST, RUN_CONFIG, TOKENIZER, "metrics.nc", "results.nc")  # what clear_run removes (latest first)
+
+class RunDir:
+    """A run folder and the name of every file in it: the one place a run file's name is spelled.
+
+    `RunDir(path).results` is `path/results.nc`; the library, the notebooks and the tests reach run
+    files through these attributes, so renaming one is one edit (tests/test_rooms.py checks that no
+    other module spells them).
+    """
+
+    CONFIG = "config.json"          # model, train and data settings
+    TOKENIZER = "tokenizer.json"    # the run's tokenizer
+    LATEST = "latest.json"          # the newest complete checkpoint (the manifest)
+    METRICS = "metrics.nc"          # per-step training metrics
+    RESULTS = "results.nc"          # the run's summary Dataset
+    PROGRESS = "progress.json"      # live progress, rewritten while training
+    RECORD = "run.json"             # a pipeline run's record (status, params, timings)
+    NOTEBOOK = "notebook.ipynb"     # a pipeline run's executed notebook
+    NOTEBOOK_HTML = "notebook.html"  # ... rendered
+    FIGURES = "figures"             # plotly figure JSON (and PNG) folder
+    EXPERIMENT = "experiment.json"  # older layout: data settings beside model/
+    MODEL_DIR = "model"             # older layout: checkpoints and tokenizer in <run>/model/
+    CKPT_PREFIX = "ckpt-"           # checkpoint folders: ckpt-00000400
+    CKPT_MODEL = "model.safetensors"   # in a checkpoint folder: the weights
+    CKPT_OPTIM = "optim.safetensors"   # ... the optimiser state
+    CKPT_STATE = "state.json"          # ... step, configs, sampler position, RNG, manifest
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RunDir) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @property
+    def name(self) -> str:
+        """Return the folder's name (a pipeline run's key)."""
+        return self.path.name
+
+    config = property(lambda self: self.path / RunDir.CONFIG, doc="Return the path of config.json.")
+    tokenizer = property(lambda self: self.path / RunDir.TOKENIZER, doc="Return the path of tokenizer.json.")
+    latest = property(lambda self: self.path / RunDir.LATEST, doc="Return the path of latest.json.")
+    metrics = property(lambda self: self.path / RunDir.METRICS, doc="Return the path of metrics.nc.")
+    results = property(lambda self: self.path / RunDir.RESULTS, doc="Return the path of results.nc.")
+    progress = property(lambda self: self.path / RunDir.PROGRESS, doc="Return the path of progress.json.")
+    record = property(lambda self: self.path / RunDir.RECORD, doc="Return the path of run.json.")
+    notebook = property(lambda self: self.path / RunDir.NOTEBOOK, doc="Return the path of notebook.ipynb.")
+    notebook_html = property(lambda self: self.path / RunDir.NOTEBOOK_HTML, doc="Return the path of notebook.html.")
+    figures = property(lambda self: self.path / RunDir.FIGURES, doc="Return the path of the figures/ folder.")
+    experiment = property(lambda self: self.path / RunDir.EXPERIMENT, doc="Return the older layout's experiment.json.")
+    model_dir = property(lambda self: self.path / RunDir.MODEL_DIR, doc="Return the older layout's model/ folder.")
+
+    @property
+    def partial(self) -> Path:
+        """Return the folder a pipeline run executes in before it is renamed into place (<name>.partial)."""
+        return self.path.with_name(self.path.name + ".partial")
+
+    @property
+    def lock(self) -> Path:
+        """Return the lock file held while the run executes (.<name>.lock beside the folder)."""
+        return self.path.parent / f".{self.path.name}.lock"
+
+    def checkpoint(self, step: int) -> Path:
+        """Return the path of the checkpoint folder of a step (ckpt-00000400)."""
+        return self.path / f"{RunDir.CKPT_PREFIX}{int(step):08d}"
+
+    def checkpoint_tmp(self, step: int) -> Path:
+        """Return the temporary folder a step's checkpoint is written to before it is renamed into place."""
+        return self.path / f".{RunDir.CKPT_PREFIX}{int(step):08d}.tmp-{os.getpid()}"
+
+    def checkpoints(self) -> list[Path]:
+        """Return the checkpoint folders present, oldest first (complete or not: latest.json says which is)."""
+        return sorted(p for p in self.path.glob(RunDir.CKPT_PREFIX + "*") if p.is_dir())
+
+    def checkpoint_tmps(self) -> list[Path]:
+        """Return leftover temporary checkpoint folders (a run killed mid-write)."""
+        return sorted(self.path.glob(f".{RunDir.CKPT_PREFIX}*.tmp-*"))
+
+    @staticmethod
+    def is_checkpoint_name(name: str) -> bool:
+        """Return True if a folder name is a checkpoint's (ckpt-*)."""
+        return name.startswith(RunDir.CKPT_PREFIX)
+
+
+RUN_CONFIG = RunDir.CONFIG
+TOKENIZER = RunDir.TOKENIZER
+LATEST = RunDir.LATEST
+# what clear_run removes (latest first)
+RUN_FILES = (RunDir.LATEST, RunDir.CONFIG, RunDir.TOKENIZER, RunDir.METRICS, RunDir.RESULTS)
 
 
 def git_commit(path: str | os.PathLike | None = None) -> str:
@@ -420,7 +514,7 @@ def read_run_config(path: str | os.PathLike) -> dict:
 # ---- pipeline run records: read by the pipeline and by whoever looks for its runs ----------------------
 def read_record(run_dir: str | os.PathLike) -> dict | None:
     """Return the run.json record of a finished run folder, or None if there is none."""
-    p = Path(run_dir) / "run.json"
+    p = RunDir(run_dir).record
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError):
@@ -438,7 +532,7 @@ def find_runs(pipeline: str, step: str, runs_dir: str | os.PathLike = "runs", st
 
 
 # ---- live progress: written by the Trainer, read by `workbench run` while the run executes ----------------------
-PROGRESS = "progress.json"
+PROGRESS = RunDir.PROGRESS
 
 
 def write_progress(run_dir: str | os.PathLike, fields: dict) -> Path:
