@@ -207,6 +207,31 @@ def save_netcdf(ds, path: str | os.PathLike) -> Path:
     return atomic_write_bytes(path, bytes(ds.to_netcdf(engine="h5netcdf")))
 
 
+HEADLINE_ATTR = "headline"  # results.nc attribute: the variables a report shows first, comma-separated, in order
+
+
+def save_results(ds, run_dir: str | os.PathLike, headline: tuple[str, ...] | list[str] = ()) -> Path:
+    """Return the path of run_dir/results.nc after writing the Dataset there, naming its headline variables.
+
+    `headline` lists scalar variables of `ds` (each with long_name and units attrs) that a report
+    shows for this run, in order; the runner reads them from the file, so what a run headlines is
+    decided where its numbers are made. Raises ValueError naming a headline that is not a variable.
+    """
+    missing = [h for h in headline if h not in ds.variables]
+    if missing:
+        raise ValueError(f"headline={list(headline)!r} names {missing!r}, which are not variables of the results "
+                         f"(allowed: {sorted(map(str, ds.data_vars))})")
+    ds = ds.copy()
+    ds.attrs[HEADLINE_ATTR] = ",".join(headline)
+    return save_netcdf(ds, RunDir(run_dir).results)
+
+
+def headline_of(ds) -> list[str]:
+    """Return the headline variable names a results Dataset names in its attrs ([] when it names none)."""
+    raw = ds.attrs.get(HEADLINE_ATTR, "")
+    return [h for h in str(raw).split(",") if h and h in ds.variables]
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------------
 def _optim_state(opts) -> tuple[dict, list]:
     """Return (tensors, meta): optimiser states split into safetensors tensors and JSON metadata."""
