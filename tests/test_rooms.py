@@ -100,6 +100,55 @@ def violations(root: Path) -> list[str]:
     return out
 
 
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Return {module: the package's modules it imports} for every file under `root` (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        mod, _ = module_name(path, root)
+        graph.setdefault(mod, set()).update(t for _, t in imports_of(path, root) if t != mod)
+    return graph
+
+
+def circles(root: Path) -> list[list[str]]:
+    """Return every import circle of the package at `root`: each a sorted list of modules that reach one another.
+
+    Strongly connected components of the import graph (Tarjan's algorithm), so a circle through any
+    number of modules is found once, with all its members. A lazy import inside a function counts:
+    it hides a circle from Python's import machinery, not from the design.
+    """
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 # ---- the checker itself, on a synthetic package -------------------------------------------------------------
 def write(root: Path, rel: str, text: str = "") -> None:
     p = root / rel
@@ -168,7 +217,24 @@ def test_an_unknown_room_is_reported_rather_than_allowed(fake):
     ]
 
 
+def test_circles_are_found_through_lazy_imports_and_longer_rings(fake):
+    assert circles(fake) == []
+    write(fake, "models/looped.py", "from .layers import Block\n")
+    write(fake, "models/layers.py", "def f():\n    from .looped import LoopLM\n")  # lazy: still a circle
+    write(fake, "data/corpus.py", "from ..io import save\n")
+    write(fake, "io.py", "from .train import x\n")
+    write(fake, "train.py", "def g():\n    from .data.corpus import Tokenizer\n")  # a ring of three
+    write(fake, "probes/__init__.py", "from ..models import layers\n")  # one way only: no circle
+    assert circles(fake) == [["workbench.data.corpus", "workbench.io", "workbench.train"],
+                             ["workbench.models.layers", "workbench.models.looped"]]
+
+
 # ---- the real package ----------------------------------------------------------------------------------------
+def test_no_module_imports_itself_back():
+    found = circles(PACKAGE)
+    assert not found, "import circles (each module reaches the others):\n  " + "\n  ".join(map(" <-> ".join, found))
+
+
 def test_every_room_imports_only_what_it_may():
     found = violations(PACKAGE)
     assert not found, "imports that break the rooms (DESIGN.md):\n  " + "\n  ".join(found)

@@ -12,7 +12,7 @@ Importing this module registers `LoopLMConfig` (model_type "workbench_looplm") w
 
 `LoopLMForCausalLM` holds the workbench's own `LoopLM` (`.looplm`) and runs it through `LoopLM.run`,
 the one loop; nothing here re-drives the blocks. `generate` uses the workbench's key/value cache
-(`models.generate.KVCache`, one entry per block occurrence), wrapped as `LoopCache`, so a new token
+(`models.kv_cache.KVCache`, one entry per block occurrence), wrapped as `LoopCache`, so a new token
 costs one loop pass and greedy decoding gives the tokens of `workbench.models.generate.generate` at
 temperature 0. An `attention_mask` with padding (left padding in batched generation, right padding
 anywhere) is honoured: padded keys are never attended to and each row counts its own positions.
@@ -54,7 +54,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, Pre
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from ..config import LoopConfig, check_bool, check_int, fail  # noqa: E402
-from .generate import KVCache  # noqa: E402
+from .kv_cache import KVCache  # noqa: E402
 from .looped import LoopLM, lm_loss  # noqa: E402
 
 MODEL_TYPE = "workbench_looplm"

@@ -153,7 +153,7 @@ class Attention(nn.Module):
                 adapt: bool = True) -> torch.Tensor:
         """Return the attention output [B, T, d] for input x [B, T, d].
 
-        `kv` is this occurrence's key/value cache entry (models.generate.KVEntry): it stores the new keys
+        `kv` is this occurrence's key/value cache entry (models.kv_cache.KVEntry): it stores the new keys
         and values and attends over every cached position; rope then holds the new positions' tables.
         `adapt=False` leaves the adapters out: exactly the plain layer's computation.
         """

@@ -15,6 +15,7 @@ from ..config import LoopConfig, check_int
 from .conditioning import (HistoryInjection, InitialInjection, ReentryBridge, TimestepConditioning,
                            timestep_features)
 from .flops import flops_per_token
+from .generate import generate
 from .hyper import HyperConnection
 from .layers import Block, RMSNorm, Rotary, linear_cross_entropy
 from .taper import mlp_widths
@@ -94,12 +95,10 @@ class LoopContext:
 
     h0: torch.Tensor
     rope: tuple
-    horizon: int
-    psi: torch.Tensor | None = None
     gates: torch.Tensor | None = None
     mods: list | None = None
     places: Places | None = None
-    kv: object = None  # the key/value cache during cached generation (models.generate.KVCache)
+    kv: object = None  # the key/value cache during cached generation (models.kv_cache.KVCache)
 
 
 @dataclass
@@ -210,6 +209,9 @@ class LoopLM(nn.Module):
             raise TypeError(f"cfg must be a LoopConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.seed = seed  # the init seed, recorded in provenance
+        # True once a caller (the Trainer) has checked every token id of its data where the data was made:
+        # then a forward on an accelerator skips the per-call range check, which costs a host-device sync
+        self.ids_checked_upstream = False
         d, p, s = cfg.d_model, cfg.prelude, cfg.core
         widths = mlp_widths(cfg.physical_layers, cfg.ff_mean, cfg.taper, cfg.taper_multiple,
                             cfg.taper_start, cfg.taper_end)
@@ -316,6 +318,8 @@ class LoopLM(nn.Module):
             raise ValueError(f"{name} dtype={tokens.dtype} is invalid: token ids must be an integer tensor (torch.long)")
         if torch.compiler.is_compiling():
             return  # a data-dependent check would break the compiled graph; eager calls checked the ids
+        if self.ids_checked_upstream and tokens.device.type != "cpu":
+            return  # the caller checked its whole token stream once; on an accelerator this check is a sync
         # one reduction and one sync: an id outside the vocabulary otherwise fails deep inside an embedding
         ids = tokens if ignore is None else tokens[tokens != ignore]
         if ids.numel():
@@ -360,8 +364,8 @@ class LoopLM(nn.Module):
 
     def context(self, h0: torch.Tensor, horizon: int, places: Places | None = None, kv=None) -> LoopContext:
         """Return the LoopContext every loop of a `horizon`-loop pass from h0 [B, T, d] shares."""
-        psi, gates, mods = self.loop_conditioning(horizon, h0)
-        return LoopContext(self.initial_state(h0)[1], self._rope(h0, kv), horizon, psi, gates, mods, places, kv)
+        _, gates, mods = self.loop_conditioning(horizon, h0)
+        return LoopContext(self.initial_state(h0)[1], self._rope(h0, kv), gates, mods, places, kv)
 
     def window(self, carried: Sequence[torch.Tensor], t: int) -> tuple[torch.Tensor, ...]:
         """Return the history window entering 0-based loop t: (h_{t-1}, ..., h_{t-m}), m = min(w, max(t-1, 0)).
@@ -431,7 +435,7 @@ class LoopLM(nn.Module):
 
         Every consumer (forward, trace, per-loop losses, probes, decoders) goes through here.
         `cache` (glob patterns) and `hooks` ({pattern: fn}) name places to keep or hook (see Places).
-        `kv` (a models.generate.KVCache opened for these tokens) makes `tokens` the new tokens of a
+        `kv` (a models.kv_cache.KVCache opened for these tokens) makes `tokens` the new tokens of a
         cached sequence: every block occurrence (prelude.i, core.t.j, coda.i) stores its keys and values
         in its own entry and attends over the cached positions. `halt(t, h_prev, h) -> (h, stop)` is
         called after loop t (adaptive exit): it may replace the state (freeze exited rows) and ends the
@@ -529,8 +533,6 @@ class LoopLM(nn.Module):
         loops as r_max. Keywords: temperature, top_k, top_p, seed, stop, mask, horizon, pad_id, details
         (see workbench.models.generate.generate).
         """
-        from .generate import generate  # the cache lives there; it imports this module
-
         return generate(self, tokens, max_new_tokens, loops, exit, **kw)
 
     # ---- per-loop supervision --------------------------------------------------------------------
