@@ -269,23 +269,23 @@ def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict
 
     out = Path(out_dir)
     step = int(state["step"])
-    final = out / f"ckpt-{step:08d}"
-    tmp = out / f".ckpt-{step:08d}.tmp-{os.getpid()}"
+    final = RunDir(out).checkpoint(step)
+    tmp = RunDir(out).checkpoint_tmp(step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"))
+    save_file(weights, str(tmp / RunDir.CKPT_MODEL))
     tensors, meta = _optim_state(opts)
-    save_file(tensors, str(tmp / "optim.safetensors"))
+    save_file(tensors, str(tmp / RunDir.CKPT_OPTIM))
     files = run_manifest(out)  # the config and tokenizer this checkpoint belongs to
-    (tmp / "state.json").write_text(json.dumps({**state, "optim": meta, "manifest": files}))
+    (tmp / RunDir.CKPT_STATE).write_text(json.dumps({**state, "optim": meta, "manifest": files}))
     for f in tmp.iterdir():  # make the bytes durable before the folder becomes visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     atomic_write_bytes(out / LATEST, json.dumps({"checkpoint": final.name, "step": step, "files": files}).encode())
-    old = sorted(p for p in out.glob("ckpt-*") if p.is_dir() and p != final)
+    old = [p for p in RunDir(out).checkpoints() if p != final]
     for p in old[:max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return final
@@ -340,7 +340,7 @@ def check_manifest(run_dir: str | os.PathLike, ckpt: str | os.PathLike) -> None:
     Raises ValueError naming the file that differs (the folder was partly overwritten). Files absent
     now, and checkpoints written before manifests existed, are not checked.
     """
-    state = read_json(Path(ckpt) / "state.json", "checkpoint state")
+    state = read_json(Path(ckpt) / RunDir.CKPT_STATE, "checkpoint state")
     recorded = state.get("manifest") or {}
     now = run_manifest(run_dir)
     for name, digest in recorded.items():
@@ -364,7 +364,7 @@ def read_manifest(run_dir: str | os.PathLike) -> dict | None:
     if not isinstance(m, dict) or "checkpoint" not in m:
         raise ValueError(f"{pointer} is invalid: must be a JSON object with a \"checkpoint\" entry, got {m!r:.200}")
     name = m["checkpoint"]
-    if name is not None and (not isinstance(name, str) or not name.startswith("ckpt-") or "/" in name
+    if name is not None and (not isinstance(name, str) or not RunDir.is_checkpoint_name(name) or "/" in name
                              or "\\" in name or name in (".", "..")):
         raise ValueError(f"{pointer} names checkpoint={name!r}, which is invalid: must be a ckpt-* folder "
                          "directly inside the run folder (a pointer outside it is never followed)")
@@ -381,7 +381,7 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     if m is None or m["checkpoint"] is None:
         return None
     path = Path(out_dir) / m["checkpoint"]
-    if not (path / "state.json").is_file():
+    if not (path / RunDir.CKPT_STATE).is_file():
         raise FileNotFoundError(f"{Path(out_dir) / LATEST} names checkpoint {m['checkpoint']!r}, but {path} is "
                                 "missing or incomplete (no state.json)")
     return path
@@ -398,7 +398,7 @@ def holds_run(path: str | os.PathLike) -> bool:
     """Return True if the folder holds (part of) a run: any of latest.json, config.json, tokenizer.json, ckpt-*."""
     p = Path(path)
     return p.is_dir() and (any((p / f).exists() for f in (LATEST, RUN_CONFIG, TOKENIZER))
-                           or any(q.is_dir() for q in p.glob("ckpt-*")))
+                           or bool(RunDir(p).checkpoints()))
 
 
 def clear_run(run_dir: str | os.PathLike, checkpoints_only: bool = False) -> None:
@@ -410,7 +410,7 @@ def clear_run(run_dir: str | os.PathLike, checkpoints_only: bool = False) -> Non
     for name in RUN_FILES:  # the pointer goes first: from then on nothing here looks complete
         if not (checkpoints_only and name in (RUN_CONFIG, TOKENIZER)):
             (run / name).unlink(missing_ok=True)
-    for p in list(run.glob("ckpt-*")) + list(run.glob(".ckpt-*.tmp-*")):
+    for p in RunDir(run).checkpoints() + RunDir(run).checkpoint_tmps():
         shutil.rmtree(p, ignore_errors=True)
 
 
@@ -426,10 +426,10 @@ def find_run(path: str | os.PathLike) -> tuple[Path, Path]:
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"path={str(path)!r} does not exist: give a run folder or a checkpoint folder")
-    if p.is_dir() and (p / "state.json").is_file():
+    if p.is_dir() and (p / RunDir.CKPT_STATE).is_file():
         check_manifest(p.parent, p)
         return p.parent, p
-    for run in (p, p / "model"):  # p / "model": train_run's layout before the run folder was unified
+    for run in (p, RunDir(p).model_dir):  # model/: train_run's layout before the run folder was unified
         if run.is_dir() and (run / LATEST).is_file():
             ckpt = latest_checkpoint(run)
             if ckpt is None:
@@ -452,14 +452,14 @@ def load_model(path: str | os.PathLike, device=None) -> LoopLM:
     from .models.looped import LoopLM
 
     _, ckpt = find_run(path)
-    state = read_json(ckpt / "state.json", "checkpoint state")
+    state = read_json(ckpt / RunDir.CKPT_STATE, "checkpoint state")
     try:
         cfg = LoopConfig.from_json(state["model_config"])
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"the checkpoint at {ckpt} has a model_config this workbench cannot build: {e}") from None
     model = LoopLM(cfg)
     # retrofit checkpoints written before adapters had one name stored <linear>_lora.{A,B}
-    weights = {k.replace("_lora.", "_adapter."): v for k, v in load_tensors(ckpt / "model.safetensors").items()}
+    weights = {k.replace("_lora.", "_adapter."): v for k, v in load_tensors(ckpt / RunDir.CKPT_MODEL).items()}
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:  # load_state_dict: missing, unexpected or mis-shaped weights
@@ -529,8 +529,8 @@ def read_run_config(path: str | os.PathLike) -> dict:
     run, ckpt = find_run(path)
     if (run / RUN_CONFIG).is_file():
         return read_json(run / RUN_CONFIG, "run config")
-    state = read_json(ckpt / "state.json", "checkpoint state")
-    exp = run / "experiment.json"
+    state = read_json(ckpt / RunDir.CKPT_STATE, "checkpoint state")
+    exp = RunDir(run).experiment
     return {"model": json.loads(state["model_config"]),
             "train": json.loads(state["train_config"]) if "train_config" in state else {},
             "data": read_json(exp, "experiment record") if exp.is_file() else {}}
