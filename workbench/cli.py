@@ -165,9 +165,9 @@ def _holds_training_run(folder) -> bool:
     """Return True if the folder holds a training run's files (an export holds config.json and tokenizer.json too)."""
     import json
 
-    from .io import LATEST, RUN_CONFIG
+    from .io import LATEST, RUN_CONFIG, RunDir
 
-    if (folder / LATEST).exists() or any(folder.glob("ckpt-*")):
+    if (folder / LATEST).exists() or RunDir(folder).checkpoints():
         return True
     try:
         data = json.loads((folder / RUN_CONFIG).read_text())

@@ -22,7 +22,7 @@ import torch
 import xarray as xr
 
 from ..config import check_int
-from ..io import find_runs
+from ..io import RunDir, find_runs
 from ..stats import holm, seed_interval, simultaneous, verdict
 
 
@@ -116,11 +116,12 @@ def collect(pipeline: str, runs_dir: str | os.PathLike, dest: str | os.PathLike,
         with_figures = figures is True or (not isinstance(figures, bool) and step in figures)
         for d in find_runs(pipeline, step, runs_dir):
             target = out / step / d.name
-            figs = [f"figures/{p.name}" for p in (d / "figures").glob("*.json")] if with_figures else []
-            (target / "figures" if figs else target).mkdir(parents=True, exist_ok=True)
-            for f in ["results.nc", "run.json", *figs]:
-                if (d / f).exists():
-                    shutil.copy2(d / f, target / f)
+            src_run, dst_run = RunDir(d), RunDir(target)
+            figs = sorted(src_run.figures.glob("*.json")) if with_figures else []
+            (dst_run.figures if figs else target).mkdir(parents=True, exist_ok=True)
+            for f in [src_run.results, src_run.record, *figs]:
+                if f.exists():
+                    shutil.copy2(f, target / f.relative_to(d))
             written.append(target)
     return written
 
@@ -241,7 +242,7 @@ def conditioning_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
 
     per = {}
     for d in find_runs("conditioning", "sweep", runs_dir):
-        ds = xr.load_dataset(d / "results.nc", engine="h5netcdf")
+        ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
         cfg = json.loads(ds.attrs["config_json"])
         per[variant_name(cfg)] = (ds, cfg)
     if not per:
@@ -312,7 +313,7 @@ def truncation_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 
         run, x, losses = _windows(d, n, seq_len, seed)
         tc = read_run_config(d).get("train") or {}
         r = run.model.cfg.loops
-        with xr.open_dataset(d / "metrics.nc", engine="h5netcdf") as m:  # a FLOP budget sets the steps at start
+        with xr.open_dataset(RunDir(d).metrics, engine="h5netcdf") as m:  # a FLOP budget sets the steps at start
             steps = int(m.step.max())
         rows.append({"run": d.name, "d_model": run.model.cfg.d_model, "flops": float(tc.get("flops") or np.nan),
                      "loops": r, "backward_loops": int(tc.get("backward_loops") or r), "steps": steps,
@@ -372,7 +373,7 @@ def lost_gradient_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
     """
     rows = {}
     for d in find_runs("lost_gradient", "lost_gradient", runs_dir):
-        ds = xr.load_dataset(d / "results.nc", engine="h5netcdf")
+        ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
         if "lost_half" in ds and ds.sizes["step"] > 1:
             rows[int(ds.attrs["finetune_backward_loops"])] = ds
     if not rows:
@@ -418,8 +419,8 @@ def _window_losses(d: Path) -> dict:
     """Return a truncation run's setting (run.json params) and its held-out windows' losses at its training loop count."""
     from ..io import read_json
 
-    p = read_json(d / "run.json", "run record").get("params") or {}
-    with xr.open_dataset(d / "results.nc", engine="h5netcdf") as ds:
+    p = read_json(RunDir(d).record, "run record").get("params") or {}
+    with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
         if "window_loss" not in ds:
             raise ValueError(f"{d / 'results.nc'} has no window_loss (runs before issue 27 kept only the mean): "
                              "rerun the pipeline (`workbench run truncation --profile matched`) to pair per window")
@@ -545,8 +546,8 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
 
     runs = []
     for d in find_runs(pipeline, "train", runs_dir):
-        p = read_json(d / "run.json", "run record").get("params") or {}
-        with xr.open_dataset(d / "results.nc", engine="h5netcdf") as ds:
+        p = read_json(RunDir(d).record, "run record").get("params") or {}
+        with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
             runs.append({"d_model": int(p.get("d_model", 128)), "steps": int(p.get("steps", 300)),
                          "seed": int(p.get("seed", 0)), "loops": int(p.get("loops", 4)),
                          "core": int(p.get("core", 2)), "loss": float(ds.final_loss),

@@ -36,7 +36,7 @@ from ..config import check_choice, check_float, check_int, fail
 from ..data.corpus import PRETRAINED, ByteTokenizer, find_smollm2_gguf, pretrained_tokenizer, stdlib_bytes
 from ..data.tasks import (KNOWLEDGE, REASONING, SCRATCHPAD_STOP, Example, iterated_examples, knowledge_battery,
                           parse_scratchpad, score, scratchpad_examples)
-from ..io import provenance, save_netcdf
+from ..io import RunDir, provenance, save_netcdf
 from ..models.hf import from_hf, load_base, load_gguf, random_llama, to_hf
 from ..models.looped import LoopLM
 from ..models.retrofit import budget_report, merge_adapters, retrofit
@@ -466,7 +466,7 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
                                inverse_steps=inverse_steps,
                                curriculum=",".join(map(str, stages)), train_s=round(train_s, 2),
                                extrapolation_depth=below[0] if below else 0, loop1_verdict=check.attrs["verdict"]))
-    save_netcdf(ds, Path(out_dir) / "results.nc")
+    save_netcdf(ds, RunDir(out_dir).results)
     return ds
 
 
@@ -553,5 +553,5 @@ def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 
                                load_s=round(t_load, 2), train_s=round(train_s, 2),
                                train_tokens_per_s=float(np.median(metrics.tokens_per_s.values)),
                                **{f"params_{k}": v for k, v in report.items()}))
-    save_netcdf(ds, Path(out_dir) / "results.nc")
+    save_netcdf(ds, RunDir(out_dir).results)
     return ds

@@ -26,7 +26,7 @@ import torch
 import xarray as xr
 
 from ..config import LoopConfig, check_bool, check_float, check_int, fail
-from ..io import RUN_CONFIG, TOKENIZER, clear_run, holds_run, provenance, read_json, save_netcdf, write_run_config
+from ..io import RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance, read_json, save_netcdf, write_run_config
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
@@ -347,7 +347,7 @@ def _train_run_processes(nproc: int, kwargs: dict) -> tuple[Run, xr.Dataset]:
         raise RuntimeError(f"train_run on nproc={nproc} processes (torchrun) failed with exit status "
                            f"{proc.returncode}; the end of its output:\n{tail}")
     out = Path(kwargs["out_dir"])
-    return load_run(out), xr.load_dataset(out / "results.nc", engine="h5netcdf")
+    return load_run(out), xr.load_dataset(RunDir(out).results, engine="h5netcdf")
 
 
 def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
@@ -476,7 +476,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
                           **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
                           **trainer.speed_attrs())  # precision, compile and why: what "auto" chose here
     if rank == 0:
-        save_netcdf(ds, out / "results.nc")
+        save_netcdf(ds, RunDir(out).results)
     return run, ds
 
 
@@ -563,7 +563,7 @@ def law_table(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
     """
     rows = []
     for d in run_dirs:
-        path = Path(d) / "results.nc"
+        path = RunDir(d).results
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: is {d} a finished training run?")
         with xr.open_dataset(path, engine="h5netcdf") as ds:
@@ -584,6 +584,6 @@ def sweep_table(run_dirs: Sequence[str | os.PathLike], var: str = "loss") -> xr.
     """Return ds[var] of every run's results.nc stacked along a new dim `run` (coords: run folder names)."""
     arrays = []
     for d in run_dirs:
-        with xr.open_dataset(Path(d) / "results.nc", engine="h5netcdf") as ds:
+        with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
             arrays.append(ds[var].load())
     return xr.concat(arrays, dim="run", join="outer").assign_coords(run=[Path(d).name for d in run_dirs])

@@ -25,7 +25,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..io import atomic_write_bytes
+from ..io import RunDir, atomic_write_bytes
 
 # legends sit under the plot: above it they collide with the title once the names are long
 _LAYOUT = dict(template="plotly_white", height=430, margin=dict(l=75, r=25, t=50, b=110),
@@ -92,7 +92,7 @@ def _is_integer_coord(x) -> bool:
 
 def save(fig: go.Figure, name: str, out_dir: str | os.PathLike) -> Path:
     """Return the path of `figures/<name>.json` under out_dir after writing the figure's JSON there."""
-    return atomic_write_bytes(Path(out_dir) / "figures" / f"{name}.json", fig.to_json().encode())
+    return atomic_write_bytes(RunDir(out_dir).figures / f"{name}.json", fig.to_json().encode())
 
 
 def plot_html(figure, div_id: str | None = None, height: int | None = None) -> str:
