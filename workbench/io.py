@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# one atomic write for the whole package; it lives in data/ because io reads tokenizers from data (not back)
+from .data.files import atomic_write_bytes  # noqa: E402,F401 (public here too)
+
 if TYPE_CHECKING:  # annotations only: io sits below models at run time
     from .models.looped import LoopLM
 
@@ -176,30 +179,6 @@ def provenance(config: Any = None, seed: int | None = None, **extra: Any) -> dic
     for k, v in extra.items():
         attrs[k] = v if isinstance(v, (int, float, str)) and not isinstance(v, bool) else str(v)
     return attrs
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Return the path after writing data to it atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; results are meant to be shared like any file
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def save_netcdf(ds, path: str | os.PathLike) -> Path:
