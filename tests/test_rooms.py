@@ -244,3 +244,66 @@ def test_the_real_package_is_parsed():
     mods = {module_name(p, PACKAGE)[0] for p in PACKAGE.rglob("*.py")}
     assert {"workbench.config", "workbench.models.looped", "workbench.probes", "workbench.viz.explorer"} <= mods
     assert any(m == "workbench.config" for _, m in imports_of(PACKAGE / "models" / "looped.py", PACKAGE))
+
+
+# ---- one owner for the run folder: only io.RunDir spells a run file's name (issue 28) ----------------------
+# The names RunDir owns, and the two suffixes of the folders beside a run. A Hugging Face folder's own
+# config.json and model.safetensors are that library's names, not a run folder's: models/hf*.py write them.
+RUN_FILE_NAMES = ("config.json", "tokenizer.json", "latest.json", "metrics.nc", "results.nc", "progress.json",
+                  "run.json", "notebook.ipynb", "notebook.html", "experiment.json", "model.safetensors",
+                  "optim.safetensors", "state.json", ".partial", ".lock")
+# (and a datasets save_to_disk folder's state.json, which data/sources.py recognises)
+HF_LAYOUT = {"workbench/models/hf.py": {"config.json"}, "workbench/models/hf_looped.py": {"config.json", "model.safetensors"},
+             "workbench/data/sources.py": {"state.json"}}
+
+
+def spelled_run_files(text: str, filename: str = "<text>") -> list[tuple[int, str]]:
+    """Return (line, literal) for every string literal of Python source that spells a run file's name.
+
+    A literal spells one when it is the name, ends with /name or .name (an f-string's tail, a suffix),
+    so prose that mentions a file ("is it a finished run with results.nc?") in a message or docstring passes.
+    """
+    found = []
+    tree = ast.parse(text, filename=filename)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            s = node.value.strip()
+            for name in RUN_FILE_NAMES:
+                if s == name or s.endswith("/" + name) or (name.startswith(".") and s.endswith(name)):
+                    found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_the_spelling_check_finds_paths_f_strings_and_suffixes_but_not_prose():
+    src = ('"""Reads results.nc."""\np = d / "results.nc"\nq = f"{d}/metrics.nc"\nr = d.with_name(d.name + ".partial")\n'
+           'msg = "is it a finished run with results.nc?"\ndef f():\n    """Writes run.json."""\n    return "run.json"\n')
+    assert spelled_run_files(src) == [(2, "results.nc"), (3, "metrics.nc"), (4, ".partial"), (8, "run.json")]
+    assert spelled_run_files('x = "results.nc.bak"\ny = ".partially"\n') == []
+
+
+def test_no_module_but_io_spells_a_run_file_name():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if rel == "workbench/io.py" or "__pycache__" in path.parts:
+            continue
+        for line, name in spelled_run_files(path.read_text(), rel):
+            if name not in HF_LAYOUT.get(rel, ()):
+                found.append(f"{rel}:{line}: {name}")
+    assert not found, "run file names spelled outside io.RunDir:\n  " + "\n  ".join(found)
+
+
+def test_notebooks_reach_run_files_through_the_library():
+    import json
+
+    found = []
+    for nb in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                src = "".join(cell["source"])
+                if not src.lstrip().startswith(("%", "!")):
+                    found += [f"{nb.name} cell {i} line {ln}: {name}" for ln, name in spelled_run_files(src, nb.name)]
+    assert not found, "notebooks spelling run file names (use workbench.io.RunDir / save_results):\n  " + "\n  ".join(found)

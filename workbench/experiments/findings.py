@@ -422,7 +422,7 @@ def _window_losses(d: Path) -> dict:
     p = read_json(RunDir(d).record, "run record").get("params") or {}
     with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
         if "window_loss" not in ds:
-            raise ValueError(f"{d / 'results.nc'} has no window_loss (runs before issue 27 kept only the mean): "
+            raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
                              "rerun the pipeline (`workbench run truncation --profile matched`) to pair per window")
         r = int(p.get("loops", 4))
         losses = ds.window_loss.sel(loop=r).values.astype(np.float64)
