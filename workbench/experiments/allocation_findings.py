@@ -1,0 +1,241 @@
+"""The allocation paper's claims (seeds/004) measured its way: seeds paired per held-out window, Holm per question.
+
+`allocation --profile seeds` trains nine allocations three times (one data seed, so every run reads the same
+held-out windows in the same units) and scores each window at every loop count to 3K (`window_loss`), then
+probes geometry to loop 18. `allocation_claims(runs_dir)` turns those runs into one row per comparison: per
+seed the mean over windows of a paired difference, a Student t interval over seeds, Holm's correction within
+each question and a verdict in the paper's direction (`workbench.stats`). Our loss is next-token loss on
+text, not the paper's task accuracy; each question says which of its quantities stands in for the paper's.
+
+Questions (the paper's words in docs/findings.md):
+- balance: "2×10 peaked early and degraded under further unrolling, while 10×2 stayed relatively flat":
+  drift L(3K) - L(K) of the fewest-layer split (1+2x6+1) minus that of the most-layer looped split (1+6x2+1).
+- beyond: "match or beat a non-recurrent model of equal training compute by spending more test-time loops":
+  each matched-depth looped split at r = 2K minus the non-looped 1+12x1+1 (negative: the looped one wins).
+- coda: "Non-recurrent output layers (Coda) mitigate ... degradation under under-unrolling": mean over
+  r < K of L(r) - L(K), prelude-only (2+2x4+0) minus coda-only (0+2x4+2) and minus 1+2x4+1 minus coda-only.
+- prelude: "Prelude-heavy allocations better support reasoning extrapolation": mean over K < r <= 3K of
+  L(r) - L(K), coda-heavy (0+2x4+2) minus prelude-heavy (2+2x4+0).
+- geometry: "loop angular distance and relative update norm decreased while recurrent-state variance kept
+  growing relative to its training-horizon value": per looped model, the value at 3K minus at K.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from ..io import RunDir, find_runs, read_json
+from ..stats import holm, seed_interval, simultaneous, verdict
+
+# (question, arm a, arm b or "", quantity, the paper's sign of the statistic): the comparisons, fixed before the runs
+BALANCE = ("balance", "1+2x6+1", "1+6x2+1", "drift", +1)
+CODA = [("coda", "2+2x4+0", "0+2x4+2", "under", +1), ("coda", "1+2x4+1", "0+2x4+2", "under", +1)]
+PRELUDE = ("prelude", "0+2x4+2", "2+2x4+0", "extrapolation", +1)
+NONLOOPED = "1+12x1+1"
+GEOMETRY = (("angular_distance", -1), ("relative_update", -1), ("state_variance", +1))
+QUANTITY = {"drift": "L(3K) - L(K)", "under": "mean over r < K of L(r) - L(K)",
+            "extrapolation": "mean over K < r <= 3K of L(r) - L(K)", "at_2K": "L(2K)",
+            "angular_distance": "angular distance at 3K - at K (pi rad)",
+            "relative_update": "relative update at 3K - at K", "state_variance": "V(x(3K))/V(x(K)) - 1"}
+
+
+def arm_name(p: dict) -> str:
+    """Return an allocation's notation prelude+core x loops+coda from a run's params (1+2x4+1 by default)."""
+    return f"{int(p.get('prelude', 1))}+{int(p.get('core', 2))}x{int(p.get('loops', 4))}+{int(p.get('coda', 1))}"
+
+
+def _train_runs(runs_dir, pipeline: str) -> dict[tuple[str, int], dict]:
+    """Return {(arm, seed): {"K", "loops", "windows" [loop, window], "run", "data_seed"}} of the done train runs."""
+    out = {}
+    for d in find_runs(pipeline, "train", runs_dir):
+        p = read_json(RunDir(d).record, "run record").get("params") or {}
+        with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
+            if "window_loss" not in ds:
+                raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
+                                 f"rerun `workbench run {pipeline} --profile seeds`")
+            w = ds.window_loss.transpose("loop", "window")
+            out[(arm_name(p), int(p.get("seed", 0)))] = {
+                "K": int(p.get("loops", 4)), "loops": [int(v) for v in w.loop.values],
+                "windows": w.values.astype(np.float64), "run": d.name, "data_seed": int(p.get("data_seed", -1))}
+    if not out:
+        raise FileNotFoundError(f"no finished {pipeline}/train runs under {runs_dir}")
+    return out
+
+
+def _per_window(run: dict, quantity: str) -> np.ndarray:
+    """Return a train run's per-window statistic `quantity` (drift, under, extrapolation, at_2K) [window]."""
+    K, loops, w = run["K"], run["loops"], run["windows"]
+    row = {r: w[i] for i, r in enumerate(loops)}
+
+    def need(rs):
+        missing = [r for r in rs if r not in row]
+        if missing:
+            raise ValueError(f"run {run['run']} was not scored at loops {missing} (eval_loops {loops}): "
+                             f"{quantity} needs them")
+        return [row[r] for r in rs]
+
+    if quantity == "drift":
+        return need([3 * K])[0] - need([K])[0]
+    if quantity == "at_2K":
+        return need([2 * K])[0] if K > 1 else need([1])[0]
+    if quantity == "under":
+        return np.mean(need([r for r in loops if r < K]), axis=0) - need([K])[0]
+    if quantity == "extrapolation":
+        return np.mean(need([r for r in loops if K < r <= 3 * K]), axis=0) - need([K])[0]
+    raise ValueError(f"quantity={quantity!r} is invalid: must be drift, under, extrapolation or at_2K")
+
+
+def _paired(runs: dict, a: str, b: str, qa: str, qb: str, seeds: list[int]) -> list[float]:
+    """Return per seed the mean over windows of qa(arm a) - qb(arm b) (b "" : qa alone), for seeds holding both."""
+    out = []
+    for s in seeds:
+        ra, rb = runs.get((a, s)), runs.get((b, s)) if b else None
+        if ra is None or (b and rb is None):
+            continue
+        va = _per_window(ra, qa)
+        if b:
+            vb = _per_window(rb, qb)
+            if va.shape != vb.shape or ra["data_seed"] != rb["data_seed"]:
+                raise ValueError(f"runs {ra['run']} and {rb['run']} (seed {s}) did not read the same held-out windows "
+                                 "(other window count or data seed): they cannot be paired")
+            va = va - vb
+        out.append(float(np.mean(va)))
+    return out
+
+
+def _geometry(runs_dir, pipeline: str, runs: dict) -> dict[tuple[str, int], xr.Dataset]:
+    """Return {(arm, seed): geometry results} for the geometry runs whose checkpoint is a known train run."""
+    by_run = {v["run"]: key for key, v in runs.items()}
+    out = {}
+    for d in find_runs(pipeline, "geometry", runs_dir):
+        p = read_json(RunDir(d).record, "run record").get("params") or {}
+        key = by_run.get(Path(str(p.get("checkpoint", ""))).name)
+        if key is not None:
+            out[key] = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+    return out
+
+
+def _geometry_change(ds: xr.Dataset, var: str, K: int) -> float:
+    """Return a geometry variable at loop 3K minus at loop K (state variance: V(3K)/V(K) - 1)."""
+    if 3 * K not in ds.loop.values:
+        raise ValueError(f"geometry reached loop {int(ds.loop.values[-1])}, short of 3K = {3 * K}: probe to 3K")
+    hi, lo = float(ds[var].sel(loop=3 * K)), float(ds[var].sel(loop=K))
+    return hi / lo - 1 if var == "state_variance" else hi - lo
+
+
+def _comparisons(runs: dict, geo: dict, seeds: list[int]) -> list[dict]:
+    """Return one dict per comparison (question, arms, quantity, sign, per-seed values) that the runs hold."""
+    arms = sorted({a for a, _ in runs})
+    K = {a: runs[(a, s)]["K"] for a, s in runs}
+    plan = [BALANCE, *CODA, PRELUDE]
+    plan += [("beyond", a, NONLOOPED, "at_2K", -1) for a in arms
+             if a != NONLOOPED and a.startswith("1+") and a.endswith("+1") and _depth(a) == _depth(NONLOOPED)]
+    rows = []
+    for q, a, b, quantity, sign in plan:
+        if a in arms and b in arms:
+            # the non-looped model has one loop count: the looped split at 2K is compared with it at its K = 1
+            vals = _paired_at(runs, a, b, seeds) if q == "beyond" else _paired(runs, a, b, quantity, quantity, seeds)
+            rows.append({"question": q, "a": a, "b": b, "quantity": quantity, "sign": sign, "values": vals})
+    for a in arms:
+        if K[a] == 1:
+            continue
+        for var, sign in GEOMETRY:
+            vals = [_geometry_change(geo[(a, s)], var, K[a]) for s in seeds if (a, s) in geo]
+            rows.append({"question": "geometry", "a": a, "b": "", "quantity": var, "sign": sign, "values": vals})
+    return [r for r in rows if len(r["values"]) >= 2]
+
+
+def _paired_at(runs: dict, a: str, b: str, seeds: list[int]) -> list[float]:
+    """Return per seed the mean over windows of L_a(2K_a) - L_b(K_b): a looped split unrolled against the non-looped one."""
+    out = []
+    for s in seeds:
+        ra, rb = runs.get((a, s)), runs.get((b, s))
+        if ra is None or rb is None:
+            continue
+        va, vb = _per_window(ra, "at_2K"), rb["windows"][rb["loops"].index(rb["K"])]
+        if va.shape != vb.shape or ra["data_seed"] != rb["data_seed"]:
+            raise ValueError(f"runs {ra['run']} and {rb['run']} (seed {s}) did not read the same held-out windows")
+        out.append(float(np.mean(va - vb)))
+    return out
+
+
+def _depth(arm: str) -> int:
+    """Return the effective depth prelude + core x loops + coda of an arm's notation."""
+    p, rest = arm.split("+", 1)
+    core, rest = rest.split("x", 1)
+    loops, coda = rest.split("+", 1)
+    return int(p) + int(core) * int(loops) + int(coda)
+
+
+def allocation_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation") -> xr.Dataset:
+    """Return one row per comparison of the allocation claims (dim `comparison`) and the seed-mean loss curves.
+
+    `difference` is the mean over seeds of the per-seed statistic (arm a minus arm b, per held-out window
+    then averaged; geometry: one model's change from K to 3K); `low`/`high` the 95% t interval over seeds,
+    `p` its t test; within each question (its own family) `p_holm`, `low_corrected`/`high_corrected`
+    (Bonferroni, 1 - 0.05/m) and `verdict` in the paper's direction `sign`. `loss` [arm, loop, seed] is the
+    mean window loss; `peak_loop` each arm's seed-mean best loop count among those scored.
+    """
+    runs = _train_runs(runs_dir, pipeline)
+    seeds = sorted({s for _, s in runs})
+    rows = _comparisons(runs, _geometry(runs_dir, pipeline, runs), seeds)
+    if not rows:
+        raise ValueError(f"no comparison under {runs_dir} has 2 or more seeds holding both arms")
+    for r in rows:
+        r["ci"] = seed_interval(r["values"])
+    for q in sorted({r["question"] for r in rows}):
+        fam = [r for r in rows if r["question"] == q]
+        for r, p_adj in zip(fam, holm([r["ci"].p for r in fam])):
+            c = simultaneous(r["values"], len(fam))
+            r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]), m=len(fam))
+    dim = "comparison"
+    data: dict[str, Any] = {
+        "difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
+        "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
+        "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
+        "low_corrected": (dim, [r["corrected"].low for r in rows]),
+        "high_corrected": (dim, [r["corrected"].high for r in rows]),
+        "verdict": (dim, [r["verdict"] for r in rows]), "family_size": (dim, [r["m"] for r in rows]),
+        "per_seed": ((dim, "seed"), [r["values"] + [np.nan] * (len(seeds) - len(r["values"])) for r in rows])}
+    coords = {k: (dim, [r[k] for r in rows]) for k in ("question", "a", "b", "quantity", "sign")}
+    coords["statistic"] = (dim, [QUANTITY[r["quantity"]] for r in rows])
+    ds = xr.Dataset(data, coords={**coords, "seed": seeds})
+    return _with_curves(ds, runs, seeds)
+
+
+def _with_curves(ds: xr.Dataset, runs: dict, seeds: list[int]) -> xr.Dataset:
+    """Return ds with loss [arm, loop, seed] (mean window loss) and each arm's seed-mean peak loop count."""
+    arms = sorted({a for a, _ in runs}, key=lambda a: (_depth(a) != _depth(NONLOOPED), a))
+    loops = sorted({r for v in runs.values() for r in v["loops"]})
+    loss = np.full((len(arms), len(loops), len(seeds)), np.nan)
+    for (a, s), v in runs.items():
+        for i, r in enumerate(v["loops"]):
+            loss[arms.index(a), loops.index(r), seeds.index(s)] = v["windows"][i].mean()
+    ds["loss"] = (("arm", "loop", "seed"), loss, {"long_name": "mean held-out window loss", "units": "nats/token"})
+    mean = np.nanmean(loss, axis=2)
+    ds["peak_loop"] = ("arm", [loops[int(np.nanargmin(m))] for m in mean],
+                       {"long_name": "loop count of the lowest seed-mean loss among those scored"})
+    ds = ds.assign_coords(arm=arms, loop=loops, training_loops=("arm", [runs[next(k for k in runs if k[0] == a)]["K"]
+                                                                        for a in arms]))
+    ds.attrs = {"interval": "95% Student t over per-seed means of per-window statistics",
+                "correction": "Holm p-values and Bonferroni intervals at 1 - 0.05/m within each question",
+                "comparisons": int(ds.sizes["comparison"])}
+    return ds
+
+
+def allocation_claim_rows(claims: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's rows: question, arms, statistic, difference [95%], corrected interval, Holm p, verdict."""
+    out = []
+    for i in range(claims.sizes["comparison"]):
+        s = claims.isel(comparison=i)
+        arms = f"{s.a.item()} − {s.b.item()}" if s.b.item() else s.a.item()
+        out.append(f"| {s.question.item()} | {arms} | {s.statistic.item()} | {float(s.difference):+.3f} "
+                   f"[{float(s.low):+.3f}, {float(s.high):+.3f}] | [{float(s.low_corrected):+.3f}, "
+                   f"{float(s.high_corrected):+.3f}] (m = {int(s.family_size)}) | {float(s.p_holm):.3f} | "
+                   f"{s.verdict.item()} |")
+    return out
