@@ -55,7 +55,8 @@ def cli_run(tmp_path_factory):
     tcfg.write_text(json.dumps({"batch_size": 4, "seq_len": 32, "checkpoint_every": 2, "eval_every": 2}))
     args = ["train", "--out", str(tmp_path / "run"), "--corpus", f"path:{src}", "--vocab-size", "300",
             "--config", str(cfg), "--train-config", str(tcfg), "--no-progress"]
-    from workbench.train import Trainer, latest_checkpoint
+    from workbench.io import latest_checkpoint
+    from workbench.train import Trainer
 
     assert main(args + ["--steps", "2"]) == 0
     assert latest_checkpoint(tmp_path / "run").name == "ckpt-00000002"
@@ -79,7 +80,7 @@ def test_train_command_writes_a_resumable_run(cli_run):
     """--resume trains only the missing steps and ends bit-identical to an uninterrupted run."""
     import xarray as xr
 
-    from workbench.train import load_model
+    from workbench.io import load_model
 
     run, straight = cli_run.run, cli_run.straight
     assert cli_run.resumed_steps == [2, 3]  # not 4 steps retrained from scratch, which would also match

@@ -119,7 +119,7 @@ def test_train_run_on_two_processes_matches_one(tmp_path):
     folder (tokenizer, config, checkpoint, results) and the weights match the same run in one process."""
     from workbench.experiments import load_run, train_run
 
-    corpus = f"path:{Path(ddp_worker.__file__).parents[1] / 'workbench' / 'train.py'}"
+    corpus = f"path:{Path(ddp_worker.__file__).parents[1] / 'workbench' / 'train' / 'trainer.py'}"
     model = dict(d_model=32, n_heads=4, n_kv_heads=2, prelude=1, core=1, coda=1, loops=2, max_seq_len=64)
     train = dict(steps=3, batch_size=8, seq_len=32, lr=1e-3, warmup=0, muon=False, bf16="off", compile="off",
                  progress=False, checkpoint_seconds=0)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from workbench import LoopConfig, LoopLM
-from workbench.train import (Trainer, TrainConfig, latest_checkpoint, load_model, lr_at, param_groups,
-                             per_loop_loss, sample_loops)
+from workbench.io import latest_checkpoint, load_model
+from workbench.train import Trainer, TrainConfig, lr_at, param_groups, per_loop_loss, sample_loops
 
 CFG = LoopConfig(vocab_size=256, d_model=32, n_heads=4, n_kv_heads=2, prelude=1, core=1, coda=1, loops=3,
                  max_seq_len=64, inject="channel")
