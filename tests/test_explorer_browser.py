@@ -314,7 +314,11 @@ NUMBERS = """() => Array.from(document.querySelectorAll('article[data-run]')).ma
 
 
 def expected_numbers(results) -> dict:
-    """The report's headline numbers of a run, read from its results.nc here the obvious way."""
+    """The report's headline numbers of a run, read from its results.nc here the obvious way.
+
+    Keyed by the variables a run's results.nc names as its headline (io.save_results); a train run,
+    which names none yet, shows the loss numbers the report falls back to (evals.loss_headline's names).
+    """
     import numpy as np
     import xarray as xr
 
@@ -326,14 +330,17 @@ def expected_numbers(results) -> dict:
         out["best_r"], out["loss_at_best"] = loops[best], loss[best]
         out["loss_at_K"] = loss[loops.index(int(ds.attrs["training_loops"]))]
     if "test_time_L_inf" in ds:
-        out["fit_L_inf"], out["fit_Z"], out["fit_z"] = (float(ds[f"test_time_{n}"]) for n in ("L_inf", "Z", "z"))
-        out["fit_upto"] = int(ds.test_time_fit_upto)
+        for n in ("L_inf", "Z", "z"):
+            out[f"test_time_{n}"] = float(ds[f"test_time_{n}"])
+        out["test_time_fit_upto"] = int(ds.test_time_fit_upto)
     if "lost" in ds:
         out["lost_1"] = float(ds.lost.sel(k=1))
         out["rho"] = float(ds.attrs["rho"])
         out["loops"] = int(ds.attrs["loops"])
     if "terminal_to_core" in ds and np.isfinite(float(ds.terminal_to_core)):
         out["terminal_to_core"] = float(ds.terminal_to_core)
+    if "angular_distance" in ds and ds.angular_distance.dims == ("loop",):
+        out["angle_first"], out["angle_last"] = (float(ds.angular_distance.values[j]) for j in (0, -1))
     return out
 
 
@@ -403,8 +410,9 @@ def test_report_and_notebook_read_offline_wherever_the_folder_goes(moved_quickst
                 assert set(want) <= set(got), (a["run"], sorted(want), sorted(got))
                 for k, v in want.items():
                     assert got[k][0] == pytest.approx(float(v), rel=1e-12), (a["run"], k)
-                    assert got[k][1].startswith(f"{float(v):.0f}" if k in ("best_r", "fit_upto", "loops")
-                                                else f"{float(v):.3f}"), (a["run"], k, got[k][1])
+                    whole = k in ("best_r", "test_time_fit_upto", "loops")
+                    text = f"{float(v):.0f}" if whole else f"{float(v):.3f}"
+                    assert got[k][1].startswith(text), (a["run"], k, got[k][1])
             # the test-time fit says what it was fitted on, in the legend of its plot
             legends = page.evaluate("() => Array.from(document.querySelectorAll('.legendtext')).map(t => t.textContent)")
             assert any("fitted on loops 1..4" in t for t in legends), legends

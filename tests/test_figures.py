@@ -1,8 +1,8 @@
 """Figures a person can read, and the report's numbers: every figure builder, fed the Datasets the probes
 and evals return for a tiny model (and Datasets with the scales that made the old figures unreadable),
 keeps one quantity per linear axis (no two whose sizes differ by more than 10x), titles every axis
-with a unit, and ticks loop / lag / step axes at whole numbers only. The report's headline numbers
-are checked against the Datasets they are read from, computed here the obvious way.
+with a unit, and ticks loop / lag / step axes at whole numbers only. The report's accuracy table is
+checked here; its headline numbers, which each results file names, in tests/test_pipeline.py.
 """
 
 import json
@@ -17,7 +17,7 @@ from helpers import cfg, perturb, tokens
 from workbench import LoopLM
 from workbench.evals import loop_sweep
 from workbench.laws import fit_test_time
-from workbench.pipeline import accuracy_table, headlines
+from workbench.pipeline import accuracy_table
 from workbench.probes import geometry, interaction, lost_gradient, loop_view
 from workbench.viz import figures
 
@@ -301,38 +301,7 @@ def test_show_leaves_no_echo_and_plot_html_says_when_plotly_is_missing(tmp_path,
     assert "</script" not in figures.plot_html({"data": [{"name": "</script><b>"}], "layout": {}}).split("<script>")[1][:-9]
 
 
-# ---- the report's numbers -----------------------------------------------------------------------------------
-def by_key(ds) -> dict[str, float]:
-    return {h.key: h.value for h in headlines(ds)}
-
-
-def test_headlines_are_the_datasets_numbers(datasets):
-    s = datasets["sweep"]
-    got = by_key(s)
-    i = int(np.nanargmin(s.loss.values))
-    assert got["best_r"] == s.loop.values[i] and got["loss_at_best"] == s.loss.values[i]
-    assert got["loss_at_K"] == s.loss.values[list(s.loop.values).index(3)]
-    assert got["fit_L_inf"] == float(s.test_time_L_inf) and got["fit_z"] == float(s.test_time_z)
-    assert got["fit_upto"] == 4
-    assert any("fitted on loops 1 to" in h.label and h.text == "4" for h in headlines(s))
-    lost = datasets["lost"]
-    got = by_key(lost)
-    assert got["lost_1"] == float(lost.lost.values[0]) and got["rho"] == lost.attrs["rho"]
-    assert got["loops"] == lost.attrs["loops"]
-    g = xr.merge([datasets["geometry"], datasets["interaction"]], combine_attrs="drop")
-    got = by_key(g)
-    assert got["terminal_to_core"] == float(datasets["interaction"].terminal_to_core)
-    assert got["angle_first"] == float(g.angular_distance.values[0])
-    # a law fit: phi per group with its interval, in the text
-    fit = xr.Dataset({"estimate": (("group", "param"), [[0.46, 2.0], [0.38, 2.1]]),
-                      "low": (("group", "param"), [[0.40, 1.9], [0.30, 2.0]]),
-                      "high": (("group", "param"), [[0.52, 2.1], [0.45, 2.2]])},
-                     coords={"group": ["full", "truncated"], "param": ["phi", "E"]})
-    heads = {h.key: h for h in headlines(fit)}
-    assert set(heads) == {"phi[full]", "phi[truncated]"} and heads["phi[truncated]"].value == 0.38
-    assert "0.300 to 0.450" in heads["phi[truncated]"].text
-
-
+# ---- the report's accuracy table (its headline numbers: tests/test_pipeline.py) -------------------------
 def test_accuracy_table_reads_group_accuracy():
     loops = np.arange(1, 13)
     acc = np.stack([np.linspace(0, 0.9, 12), np.full(12, 0.5)], 1)

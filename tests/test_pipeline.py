@@ -336,7 +336,7 @@ def library_copy(tmp_path, monkeypatch):
 
     copy = tmp_path / "lib" / "workbench"
     shutil.copytree(pipeline.LIBRARY, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    monkeypatch.setattr(pipeline, "LIBRARY", copy)
+    monkeypatch.setattr(pipeline.keys, "LIBRARY", copy)
     return copy
 
 
@@ -368,12 +368,13 @@ def test_library_digest_reads_every_py_file_by_relative_path(tmp_path):
     assert pipeline.library_digest(a) != pipeline.library_digest(b)
 
 
-@pytest.mark.parametrize("rel", ["config.py", "models/conditioning.py", "pipeline.py"])
+@pytest.mark.parametrize("rel", ["config.py", "models/conditioning.py", "pipeline/keys.py"])
 def test_editing_the_library_changes_the_key_of_every_step(project, library_copy, rel):
     s = spec(project, CHAIN)
     pipe = pipeline.load_spec(s)
     before = pipeline.expand(pipe, project / "runs")
-    assert pipeline.library_digest() == pipeline.library_digest(Path(pipeline.__file__).parent)  # a faithful copy
+    real = Path(pipeline.__file__).parent.parent  # the workbench package (pipeline is a package in it)
+    assert pipeline.library_digest() == pipeline.library_digest(real)  # a faithful copy
     edit(library_copy, rel)
     after = pipeline.expand(pipe, project / "runs")
     assert [j.step for j in before] == [j.step for j in after] == ["a", "b", "total"]
@@ -459,8 +460,10 @@ def test_declared_parameters_read_as_papermill_reads_them_without_importing_it(t
 
 RESULTS_BODY = BODY + textwrap.dedent("""
     import xarray as xr
-    xr.Dataset({"loss": ("loop", [3.0, 2.0 - 0.1 * x, 2.5])}, coords={"loop": [1, 2, 3]}).to_netcdf(
-        Path(out_dir, "results.nc"), engine="h5netcdf")""")
+    from workbench.io import save_results
+    ds = xr.Dataset({"loss": ("loop", [3.0, 2.0 - 0.1 * x, 2.5])}, coords={"loop": [1, 2, 3]})
+    ds["best_r"] = ((), int(ds.loss.idxmin()), {"long_name": "best loop count r", "units": "1"})
+    save_results(ds, out_dir, headline=["best_r"])""")
 HEAVY = ("torch", "papermill", "nbconvert", "nbformat", "jsonschema", "xarray", "workbench.experiments")
 
 
@@ -482,7 +485,7 @@ def test_rerun_of_a_finished_pipeline_checks_renders_and_reads_nothing_again(pro
         if params["x"] == 9:
             raise ValueError("x=9 is invalid: the check says no")
 
-    monkeypatch.setattr(pipeline, "_declared_check", lambda notebook: check)
+    monkeypatch.setattr(pipeline.spec, "_declared_check", lambda notebook: check)
     assert pipeline.run(s, runs_dir=runs, log=None).ok and sorted(checked) == [1, 2]
     pages = {j.key: j.dir / "notebook.html" for j in pipeline.expand(pipeline.load_spec(s), runs)}
     before = {k: (p.read_bytes(), p.stat().st_mtime_ns) for k, p in pages.items()}
@@ -494,7 +497,7 @@ def test_rerun_of_a_finished_pipeline_checks_renders_and_reads_nothing_again(pro
     code = textwrap.dedent(f"""\
         import json, sys
         from workbench import pipeline
-        pipeline._source_digest = lambda root: {pipeline.library_digest()!r}
+        pipeline.keys._source_digest = lambda root: {pipeline.library_digest()!r}
         from workbench.cli import main
         rc = main(["run", {str(s)!r}, "--runs", {str(runs)!r}, "--quiet"])
         print(json.dumps([rc, [m for m in {HEAVY!r} if m in sys.modules]]))""")
@@ -521,3 +524,87 @@ def test_rerun_of_a_finished_pipeline_checks_renders_and_reads_nothing_again(pro
     with pytest.raises(pipeline.PipelineError, match="x=9 is invalid: the check says no"):
         pipeline.run(s, runs_dir=runs, log=None)
     assert checked == [9] and len(pipeline.find_runs("fin", "a", runs)) == 2
+
+
+# ---- the report's numbers: what a run's results.nc names as its headline -----------------------------------------
+def _saved(ds, head, tmp_path, name):
+    """Return the Dataset read back from results.nc after io.save_results named head's variables its headline."""
+    import xarray as xr
+
+    from workbench.io import save_results
+
+    out = tmp_path / name
+    save_results(ds.assign(head.data_vars), out, headline=list(head))
+    return xr.load_dataset(out / "results.nc", engine="h5netcdf")
+
+
+def test_headlines_are_the_numbers_each_results_file_names(tmp_path):
+    import numpy as np
+    import xarray as xr
+
+    from workbench.evals import (geometry_headline, law_headline, loss_fit_headline, loss_headline,
+                                 lost_gradient_headline)
+
+    def by_key(ds):
+        return {h.key: h.value for h in pipeline.headlines(ds)}
+
+    # a loop sweep: the best r and the loss there and at K, then the test-time fit on loops 1..4
+    loops = np.arange(1, 7)
+    s = xr.Dataset({"loss": ("loop", [3.1, 2.6, 2.4, 2.45, np.nan, 2.7])}, coords={"loop": loops},
+                   attrs={"training_loops": 3})
+    head = xr.merge([loss_headline(s.loss, 3), loss_fit_headline({"L_inf": 2.3, "Z": 1.9, "z": 0.8}, 4)])
+    s = _saved(s, head, tmp_path, "sweep")
+    got = by_key(s)
+    i = int(np.nanargmin(s.loss.values))
+    assert got["best_r"] == s.loop.values[i] and got["loss_at_best"] == s.loss.values[i]
+    assert got["loss_at_K"] == s.loss.values[list(s.loop.values).index(3)]
+    assert got["test_time_L_inf"] == float(s.test_time_L_inf) and got["test_time_z"] == float(s.test_time_z)
+    assert got["test_time_fit_upto"] == 4
+    heads = pipeline.headlines(s)
+    assert [h.key for h in heads][:3] == ["best_r", "loss_at_best", "loss_at_K"]  # in the order the file names
+    assert any("fitted on loops 1 to" in h.label and h.text == "4" for h in heads)
+    assert {h.key: h.text for h in heads}["loss_at_best"] == "2.400 nats/token"
+    # lost gradient: lost(1), rho and r
+    lost = xr.Dataset({"lost": ("k", [0.61, 0.3, 0.0])}, coords={"k": [1, 2, 3]}, attrs={"rho": 0.42, "loops": 3})
+    lost = _saved(lost, lost_gradient_headline(lost), tmp_path, "lost")
+    got = by_key(lost)
+    assert got["lost_1"] == float(lost.lost.values[0]) and got["rho"] == lost.attrs["rho"]
+    assert got["loops"] == lost.attrs["loops"]
+    # geometry with interaction: the terminal-to-core ratio and the angle at the first and last loop
+    g = xr.Dataset({"angular_distance": ("loop", [0.3, 0.2, 0.1], {"units": "pi rad"}),
+                    "terminal_to_core": ((), 1.7)}, coords={"loop": [1, 2, 3]})
+    g = _saved(g, geometry_headline(g), tmp_path, "geometry")
+    got = by_key(g)
+    assert got["terminal_to_core"] == float(g.terminal_to_core)
+    assert got["angle_first"] == float(g.angular_distance.values[0])
+    assert got["angle_last"] == float(g.angular_distance.values[-1])
+    # a law fit: phi per group with its interval, in the text
+    fit = xr.Dataset({"estimate": (("group", "param"), [[0.46, 2.0], [0.38, 2.1]]),
+                      "low": (("group", "param"), [[0.40, 1.9], [0.30, 2.0]]),
+                      "high": (("group", "param"), [[0.52, 2.1], [0.45, 2.2]])},
+                     coords={"group": ["full", "truncated"], "param": ["phi", "E"]})
+    heads = {h.key: h for h in pipeline.headlines(_saved(fit, law_headline(fit), tmp_path, "fit"))}
+    assert set(heads) == {"phi_full", "phi_truncated"} and heads["phi_truncated"].value == 0.38
+    assert "0.300 to 0.450" in heads["phi_truncated"].text and heads["phi_truncated"].label == "φ (truncated)"
+
+
+def test_a_results_file_naming_no_headline_shows_the_loss_numbers_if_it_has_them():
+    """Older runs (and train runs until train_run names its headline): loss over loop gives evals.loss_headline's
+    numbers; anything else shows none, and so does a file that names an empty headline."""
+    import numpy as np
+    import xarray as xr
+
+    s = xr.Dataset({"loss": ("loop", [3.0, 2.2, 2.5])}, coords={"loop": [1, 2, 4]}, attrs={"training_loops": 4})
+    assert {h.key: h.value for h in pipeline.headlines(s)} == {"best_r": 2, "loss_at_best": 2.2, "loss_at_K": 2.5}
+    assert pipeline.headlines(s.assign_attrs(headline="")) == []
+    assert pipeline.headlines(xr.Dataset({"x": ("k", np.ones(2))})) == []
+
+
+def test_report_escapes_what_the_spec_and_runs_say(project):
+    """The report is a template with autoescape: a description or parameter holding markup shows as text."""
+    s = spec(project, 'name: esc\ndescription: "<b>bold</b> & co"\nsteps:\n'
+                      '  - {name: a, notebook: tiny, params: {log: "</script><i>x"}}\n')
+    page = pipeline.report(s, runs_dir=project / "runs").read_text()
+    assert "<b>bold</b>" not in page and "&lt;b&gt;bold&lt;/b&gt; &amp; co" in page
+    assert "<i>x" not in page and 'class="run pending"' in page
+    assert page.startswith("<!DOCTYPE html>")

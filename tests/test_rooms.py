@@ -251,7 +251,7 @@ def test_the_real_package_is_parsed():
 # config.json and model.safetensors are that library's names, not a run folder's: models/hf*.py write them.
 RUN_FILE_NAMES = ("config.json", "tokenizer.json", "latest.json", "metrics.nc", "results.nc", "progress.json",
                   "run.json", "notebook.ipynb", "notebook.html", "experiment.json", "model.safetensors",
-                  "optim.safetensors", "state.json", ".partial", ".lock")
+                  "optim.safetensors", "state.json", "kernel.log", ".partial", ".lock", ".attempt")
 # (and a datasets save_to_disk folder's state.json, which data/sources.py recognises)
 HF_LAYOUT = {"workbench/models/hf.py": {"config.json"}, "workbench/models/hf_looped.py": {"config.json", "model.safetensors"},
              "workbench/data/sources.py": {"state.json"}}

@@ -10,6 +10,7 @@ loop r differs between runs of different lengths.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -189,3 +190,91 @@ def loop_sweep(model: LoopLM, data: Any, loops: Sequence[int], tokenizer=None, b
         return ds
     finally:
         model.train(was_training)
+
+
+# ---- headline scalars: the numbers a run's report shows first -------------------------------------------------
+# Each helper returns scalar variables (long_name and units attrs) to add to a results Dataset and name as
+# its headline: `head = loss_headline(ds.loss, K); io.save_results(ds.assign(head.data_vars), out_dir,
+# headline=list(head))`. The pipeline report prints them as they are, so what a run headlines is decided
+# here, where its numbers are made.
+def _scalar(value: float, long_name: str, units: str = "1", **attrs: Any) -> xr.DataArray:
+    """Return a 0-d DataArray of value with long_name and units ("1": dimensionless) attrs."""
+    return xr.DataArray(value, attrs={"long_name": long_name, "units": units, **attrs})
+
+
+def loss_headline(loss: xr.DataArray, K: int | None = None, units: str = "nats/token") -> xr.Dataset:
+    """Return scalars best_r, loss_at_best and (when K was measured) loss_at_K of a `loss` over `loop`.
+
+    best_r is the measured loop count with the lowest loss (an int); an all-NaN loss gives an empty Dataset.
+    """
+    if loss.dims != ("loop",):
+        raise ValueError(f"loss dims {loss.dims} are invalid: must be ('loop',)")
+    values, loops = np.asarray(loss.values, dtype=float), [int(r) for r in loss.loop.values]
+    if not np.isfinite(values).any():
+        return xr.Dataset()
+    i = int(np.nanargmin(values))
+    out = {"best_r": _scalar(np.int64(loops[i]), "best loop count r (of those measured)"),
+           "loss_at_best": _scalar(values[i], f"loss at r = {loops[i]}", units)}
+    if K is not None and int(K) in loops:
+        out["loss_at_K"] = _scalar(values[loops.index(int(K))], f"loss at K = {int(K)}", units)
+    return xr.Dataset(out)
+
+
+TEST_TIME_UNITS = {"L_inf": "nats/token", "Z": "nats/token", "z": "per loop"}  # of L(T) = L_inf + Z exp(-z T)
+
+
+def loss_fit_headline(params: dict[str, float], fit_upto: int) -> xr.Dataset:
+    """Return scalars test_time_fit_upto and test_time_<name> per parameter of a fitted test-time law L(T)."""
+    out = {"test_time_fit_upto": _scalar(np.int64(fit_upto),
+                                         "test-time law L(T) = L∞ + Z·e^(−zT) fitted on loops 1 to")}
+    for name, value in params.items():
+        label = {"L_inf": "L∞"}.get(name, name)
+        out[f"test_time_{name}"] = _scalar(float(value), f"test-time law {label}", TEST_TIME_UNITS.get(name, "1"))
+    return xr.Dataset(out)
+
+
+def geometry_headline(ds: xr.Dataset) -> xr.Dataset:
+    """Return scalars terminal_to_core (when present) and angle_first, angle_last of a geometry Dataset.
+
+    The angles are `angular_distance` at the first and the last loop measured, in units of π rad.
+    """
+    out = {}
+    if "terminal_to_core" in ds and ds.terminal_to_core.ndim == 0:
+        out["terminal_to_core"] = _scalar(float(ds.terminal_to_core), "terminal-to-core response ratio")
+    angle = ds.get("angular_distance")
+    if angle is not None and angle.dims == ("loop",) and angle.size:
+        for key, j in (("angle_first", 0), ("angle_last", -1)):  # units of π rad, written for a reader here
+            out[key] = _scalar(float(angle.values[j]), f"angular distance at loop {int(angle.loop.values[j])}",
+                               "π rad")
+    return xr.Dataset(out)
+
+
+def lost_gradient_headline(ds: xr.Dataset) -> xr.Dataset:
+    """Return scalars lost_1, rho and loops of a lost-gradient Dataset over `k` (empty for another layout)."""
+    if "lost" not in ds or ds.lost.dims != ("k",):
+        return xr.Dataset()
+    return xr.Dataset({
+        "lost_1": _scalar(float(ds.lost.sel(k=1)), "lost(1): share of |g| truncation to k = 1 throws away"),
+        "rho": _scalar(float(ds.attrs["rho"]), "ρ: backward shrink of the adjoint per loop"),
+        "loops": _scalar(np.int64(ds.attrs["loops"]), "loops r")})
+
+
+def law_headline(fit: xr.Dataset, params: Sequence[str] | None = None) -> xr.Dataset:
+    """Return one scalar per fitted law parameter and group, `<param>_<group>`, with its interval in attrs low, high.
+
+    `fit` has `estimate`, `low` and `high` over `param` (and `group`), as a fit_laws results Dataset;
+    `params` default: φ alone when it was fitted, else every parameter. Names keep letters, digits and
+    underscores of the group label; long_name reads "φ (group)".
+    """
+    names = [str(p) for p in fit.param.values]
+    chosen = list(params) if params is not None else (["phi"] if "phi" in names else names)
+    groups = [str(g) for g in fit.group.values] if "group" in fit.dims else [None]
+    out = {}
+    for p in chosen:
+        for g in groups:
+            sel = {"param": p, **({"group": g} if g is not None else {})}
+            est, lo, hi = (float(fit[v].sel(sel)) for v in ("estimate", "low", "high"))
+            label = {"phi": "φ"}.get(p, p) + (f" ({g})" if g is not None else "")
+            key = p if g is None else f"{p}_{re.sub(r'[^0-9A-Za-z_]+', '_', g).strip('_')}"
+            out[key] = _scalar(est, label, low=lo, high=hi, interval="95%")
+    return xr.Dataset(out)

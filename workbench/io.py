@@ -70,6 +70,7 @@ class RunDir:
     NOTEBOOK = "notebook.ipynb"     # a pipeline run's executed notebook
     NOTEBOOK_HTML = "notebook.html"  # ... rendered
     FIGURES = "figures"             # plotly figure JSON (and PNG) folder
+    KERNEL_LOG = "kernel.log"       # a pipeline run's kernel stderr
     EXPERIMENT = "experiment.json"  # older layout: data settings beside model/
     MODEL_DIR = "model"             # older layout: checkpoints and tokenizer in <run>/model/
     CKPT_PREFIX = "ckpt-"           # checkpoint folders: ckpt-00000400
@@ -109,13 +110,19 @@ class RunDir:
     notebook = property(lambda self: self.path / RunDir.NOTEBOOK, doc="Return the path of notebook.ipynb.")
     notebook_html = property(lambda self: self.path / RunDir.NOTEBOOK_HTML, doc="Return the path of notebook.html.")
     figures = property(lambda self: self.path / RunDir.FIGURES, doc="Return the path of the figures/ folder.")
+    kernel_log = property(lambda self: self.path / RunDir.KERNEL_LOG, doc="Return the path of kernel.log.")
     experiment = property(lambda self: self.path / RunDir.EXPERIMENT, doc="Return the older layout's experiment.json.")
     model_dir = property(lambda self: self.path / RunDir.MODEL_DIR, doc="Return the older layout's model/ folder.")
 
     @property
     def partial(self) -> Path:
-        """Return the folder a pipeline run executes in before it is renamed into place (<name>.partial)."""
-        return self.path.with_name(self.path.name + ".partial")
+        """Return the folder a pipeline run executes in before it is renamed into place (.<name>.partial beside it)."""
+        return self.path.with_name(f".{self.path.name}.partial")
+
+    @property
+    def attempt(self) -> Path:
+        """Return the file naming the Dask attempt executing the run (.<name>.attempt beside it)."""
+        return self.path.with_name(f".{self.path.name}.attempt")
 
     @property
     def lock(self) -> Path:

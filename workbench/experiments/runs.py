@@ -26,7 +26,7 @@ import torch
 import xarray as xr
 
 from ..config import LoopConfig, check_bool, check_float, check_int, fail
-from ..io import RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance, read_json, save_netcdf, write_run_config
+from ..io import RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance, read_json, save_results, write_run_config
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
@@ -379,7 +379,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     share of this process's torch threads (what a pipeline's training run with an `nproc` parameter does).
     """
     from ..data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
-    from ..evals import loop_sweep
+    from ..evals import loop_sweep, loss_headline
     from ..train import Trainer, init_distributed
 
     cfg, tc = check_train_run(model, train, corpus, vocab_size, tasks, task_ratio, task_depths, eval_loops, seed,
@@ -475,8 +475,10 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
                           training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
                           **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
                           **trainer.speed_attrs())  # precision, compile and why: what "auto" chose here
+    head = loss_headline(ds["loss"], K)  # the report shows the best loop count and the loss there and at K
+    ds = ds.assign(head.data_vars)
     if rank == 0:
-        save_netcdf(ds, RunDir(out).results)
+        save_results(ds, out, headline=list(head))
     return run, ds
 
 

@@ -1,0 +1,321 @@
+"""Executing runs: the per-run lock, one notebook execution with its record, and the executors (local, Dask).
+
+A run executes in ``runs/<pipeline>/<step>/.<key>.partial/`` (the notebook's working directory,
+`out_dir="."`), under a per-run file lock, and is renamed to ``runs/<pipeline>/<step>/<key>/`` with a
+run.json record when it ends, done or failed; a failed or interrupted run restarts in its old folder
+(a training notebook resumes from its checkpoint). Runs of one step go in parallel through an executor
+(local processes, or Dask: a scheduler's cluster or a LocalCluster of this machine, each run's torch
+threads its worker's share of the cores); a failed run is recorded with its error and output notebook
+and the others go on (on Dask too when a worker dies mid-run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import json
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ..io import RunDir, atomic_write_bytes, read_record
+from .keys import library_digest
+from .spec import PipelineError, RunJob, _done
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# papermill's default is 60 s; a kernel starting beside runs that hold every core of a 2-core machine
+# has taken longer than that (a fresh-clone CI run failed an allocation smoke sweep so), and a run that
+# fails only to start is lost work
+KERNEL_START_TIMEOUT = 300
+
+
+def work_dir(run_dir: Path) -> Path:
+    """Return the folder a run executes in before it is renamed to run_dir: .<key>.partial beside it."""
+    # hidden (a leading dot), so a glob over a step's finished runs never picks it up
+    return RunDir(run_dir).partial
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file at path (created if absent) for the with-block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # another runner executing the same run makes us wait, then skip
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def now() -> str:
+    """Return the current UTC time as an ISO string to the second."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _kernel_manager_class():
+    """Return a kernel manager that sends the kernel's stderr to kernel.log in its working directory."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class RunKernelManager(AsyncKernelManager):
+        # the kernel's own log lines (and any C-level crash message) stay with the run, not on the terminal
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            with open(RunDir(kw.get("cwd") or ".").kernel_log, "ab") as log:
+                kw["stderr"] = log
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return RunKernelManager
+
+
+@contextlib.contextmanager
+def _claimed(job: RunJob) -> Iterator[tuple[Path, Path, dict | None]]:
+    """Yield (final folder, working folder, the skipped record if the run is already done, else None) under its lock."""
+    final = Path(job.dir)
+    with _locked(RunDir(final).lock):
+        rec = read_record(final)
+        done = {**rec, "skipped": True} if _done(rec) else None
+        yield final, work_dir(final), done
+
+
+def execute_run(job: RunJob) -> dict:
+    """Return the run's record after executing its notebook (or the existing record if it already completed).
+
+    Never raises for a failing notebook: the error and the output notebook are recorded instead.
+    """
+    from unittest import mock  # here, not at the top: it imports asyncio, which a re-run that executes nothing skips
+
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    with _claimed(job) as (final, work, done):
+        if done is not None:
+            return done
+        if final.exists():  # a failed attempt: restart in its folder so checkpoints are reused
+            if work.exists():
+                shutil.rmtree(work)
+            os.replace(final, work)
+            RunDir(work).record.unlink(missing_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
+        RunDir(work).progress.unlink(missing_ok=True)  # an earlier attempt's: live progress must show this one
+        # the kernel inherits the thread count (parallel runs share the cores); patch.dict puts the caller's
+        # environment back after a run executed in this process (one job at a time)
+        threads = {var: str(job.threads) for var in THREAD_VARS} if job.threads else {}
+        started, t0 = now(), time.perf_counter()
+        error = None
+        with mock.patch.dict(os.environ, threads):
+            try:
+                papermill.execute_notebook(str(job.notebook), str(RunDir(work).notebook),
+                                           parameters={**job.params, "out_dir": "."}, cwd=str(work),
+                                           kernel_name="python3", progress_bar=False, log_output=False,
+                                           start_timeout=KERNEL_START_TIMEOUT,
+                                           kernel_manager_class=_kernel_manager_class())
+            except PapermillExecutionError as e:
+                error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
+            except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
+                error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        return _close_run(work, final, _record(job, error, started, time.perf_counter() - t0))
+
+
+def _record(job: RunJob, error: str | None, started: str, seconds: float) -> dict:
+    """Return the run.json record of a run that ended (done when error is None, else failed)."""
+    from .. import __version__
+    from ..io import git_commit
+
+    return {"pipeline": job.pipeline, "step": job.step, "key": job.key,
+            "status": "failed" if error else "done", "error": error,
+            "notebook": str(job.notebook), "params": job.params, "upstream": job.upstream,
+            "started": started, "finished": now(), "seconds": round(seconds, 3),
+            "workbench_version": __version__, "library": job.library or library_digest(),
+            "git_commit": git_commit()}
+
+
+def _close_run(work: Path, final: Path, record: dict) -> dict:
+    """Return the record after writing it into the run's working folder and renaming that into place."""
+    atomic_write_bytes(RunDir(work).record, json.dumps(record, indent=1, default=str).encode())
+    os.replace(work, final)
+    return record
+
+
+def record_failed(job: RunJob, error: str) -> dict:
+    """Return the failed record written for a run that ended without recording itself (whatever ran it died).
+
+    Takes the run's lock (a dead process holds none), keeps what the run left (checkpoints, a partial
+    notebook) and renames its working folder into place with run.json saying why, so `status` shows it
+    failed and the next `workbench run` restarts it there. A run that completed meanwhile is left alone.
+    """
+    with _claimed(job) as (final, work, done):
+        if done is not None:
+            return done
+        if final.exists():
+            if work.exists():  # an older failed attempt beside the newer partial one: the newer one stays
+                shutil.rmtree(final)
+            else:
+                os.replace(final, work)
+        work.mkdir(parents=True, exist_ok=True)
+        RunDir(work).record.unlink(missing_ok=True)
+        return _close_run(work, final, _record(job, error, now(), 0.0))
+
+
+# ---- executors -------------------------------------------------------------------------------------------
+def _check_threads(threads: object, default: str) -> int:
+    """Return `threads` once it is an integer >= 0 (0: `default`, which the error message names)."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise PipelineError(f"threads={threads!r} is invalid: must be an integer >= 1, or 0 ({default})")
+    return threads
+
+
+def _check_jobs(jobs: object) -> int:
+    """Return `jobs` once it is an integer >= 1."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise PipelineError(f"jobs={jobs!r} is invalid: must be an integer >= 1")
+    return jobs
+
+
+class LocalExecutor:
+    """Runs jobs in local processes (`jobs` at once; in this process when jobs == 1 or a step has one run).
+
+    Each run's kernel gets `threads` torch threads; with 0, the machine's cores over the runs executing
+    at once (so a step's lone run gets them all, which oversubscribes cores other work is using).
+    """
+
+    def __init__(self, jobs: int = 1, threads: int = 0):
+        self.jobs = _check_jobs(jobs)
+        self.threads = _check_threads(threads, "the machine's cores over the runs executing at once")
+
+    def map(self, fn: Callable[[RunJob], dict], items: list[RunJob]) -> Iterator[dict]:
+        """Return an iterator over fn(item) results in completion order."""
+        alone = self.jobs == 1 or len(items) <= 1  # executed here, one at a time, with the caller's threads
+        for it in items:
+            it.threads = self.threads or (0 if alone else max(1, machine_cores() // min(self.jobs, len(items))))
+        if alone:
+            yield from map(fn, items)
+            return
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(fn, it) for it in items]
+            for f in as_completed(futures):
+                yield f.result()
+
+    def close(self) -> None:
+        """Return None; nothing to release."""
+
+
+def machine_cores() -> int:
+    """Return the CPU cores this process may use (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity masks here (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def _attempt_marker(run_dir: Path) -> Path:
+    """Return the file naming the Dask attempt executing a run (.<key>.attempt beside its folder)."""
+    return RunDir(run_dir).attempt
+
+
+def _dask_execute(job: RunJob, shares: dict[str, int], attempt: str, threads: int = 0) -> dict:
+    """Return execute_run(job) on a Dask worker, its kernel given this worker's share of the host's cores.
+
+    `shares` maps hosts to torch threads per run, so a worker the nanny restarted (a new address)
+    still gets its host's share; a worker on a host that joined later takes that host's cores over its
+    own task slots; `threads` > 0 overrides it. A run that this same attempt
+    already started on a worker that then died (the scheduler hands its task to another worker) is
+    recorded failed, not rerun: what killed the worker (memory, a crash) would likely kill the next too.
+    """
+    from distributed import get_worker
+
+    worker = get_worker()
+    share = shares.get(worker.host) or max(1, machine_cores() // max(1, worker.state.nthreads))
+    job.threads = threads or share
+    marker = _attempt_marker(Path(job.dir))
+    if marker.is_file() and marker.read_text() == attempt:
+        return record_failed(job, "WorkerDied: the Dask worker executing this run died before it ended "
+                                  "(killed, out of memory or lost); `workbench run` again restarts it")
+    atomic_write_bytes(marker, attempt.encode())
+    try:
+        return execute_run(job)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+class DaskExecutor:
+    """Runs jobs on a Dask `distributed` cluster (workers must share the runs folder's file system).
+
+    With a scheduler address it connects to that cluster; without one it starts a LocalCluster sized to
+    this machine: `jobs` workers when jobs > 1, else one per core, each running one run at a time.
+    Every run's kernel gets torch threads from its worker's share of the host's cores (the host's
+    cores over the task slots of all workers on that host; `threads` > 0 fixes it). Without it a
+    kernel would take what its worker's environment says: 1 under a Dask nanny, which sets
+    OMP_NUM_THREADS=1 in its workers (a 32-core host with 2 workers would run 2 threads), all the cores
+    without one (2 workers on 2 cores would run 4 threads). A worker that dies mid-run leaves that run failed
+    (`record_failed`) and the others go on.
+    """
+
+    def __init__(self, scheduler: str | None = None, jobs: int = 1, threads: int = 0):
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise PipelineError("executor='dask' needs dask.distributed: pip install 'looped-workbench[cluster]'") from e
+        _check_jobs(jobs)
+        _check_threads(threads, "each worker's share of its host's cores")
+        if scheduler is not None and (not isinstance(scheduler, str) or not scheduler.strip()):
+            raise PipelineError(f"scheduler={scheduler!r} is invalid: must be a Dask scheduler address such as "
+                                "tcp://127.0.0.1:8786, or None to start a local cluster")
+        self.cluster = None
+        if scheduler is None:
+            n = jobs if jobs > 1 else machine_cores()
+            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
+            scheduler = self.cluster.scheduler_address
+        self.client = Client(scheduler, timeout="30s")
+        self.threads = threads
+        self.shares = self._shares()
+
+    def _shares(self) -> dict[str, int]:
+        """Return {host: torch threads per run}: the host's cores over the task slots of its workers."""
+        if self.cluster is not None:
+            self.client.wait_for_workers(len(self.cluster.workers), timeout="60s")
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        cores = self.client.run(machine_cores)  # each worker's own view of its host
+        slots: dict[str, int] = {}
+        for w in workers.values():
+            slots[w["host"]] = slots.get(w["host"], 0) + int(w["nthreads"])
+        return {w["host"]: max(1, cores.get(addr, 1) // max(1, slots[w["host"]])) for addr, w in workers.items()}
+
+    def map(self, fn: Callable[[RunJob], dict], items: list[RunJob]) -> Iterator[dict]:
+        """Return an iterator over the runs' records in completion order (a run whose worker died: failed)."""
+        import uuid
+
+        from distributed import as_completed
+
+        attempt = uuid.uuid4().hex  # tells a task the scheduler retried after its worker died from a new one
+        futures = {}
+        for it in items:
+            task = (_dask_execute, it, self.shares, attempt, self.threads) if fn is execute_run else (fn, it)
+            futures[self.client.submit(*task, pure=False, key=f"{it.step}-{it.key}-{time.time_ns()}")] = it
+        for f in as_completed(futures):
+            try:
+                yield f.result()
+            except Exception as e:  # the scheduler gave up on it (a worker died too often, lost data)
+                yield record_failed(futures[f], f"{type(e).__name__}: {e} (on the Dask cluster)")
+
+    def close(self) -> None:
+        """Return None after closing the client connection (and the local cluster this executor started)."""
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+def make_executor(kind: str = "local", jobs: int = 1, scheduler: str | None = None, threads: int = 0):
+    """Return an executor: "local" (processes, `jobs` at once) or "dask" (a scheduler address, or a LocalCluster
+    sized to this machine when None); `threads` is the torch threads per run (0: the cores over the runs at once
+    locally, each worker's share on Dask)."""
+    if kind == "local":
+        return LocalExecutor(jobs, threads)
+    if kind == "dask":
+        return DaskExecutor(scheduler or None, jobs, threads)
+    raise PipelineError(f"executor={kind!r} is invalid: must be 'local' or 'dask'")
