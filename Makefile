@@ -8,7 +8,7 @@ EXTRAS ?= dev
 .PHONY: venv demo test test-fast bench clean
 
 # uv installs the same pins about 3x faster than pip (parallel downloads and unpacking): `make venv` on a
-# fresh clone took 3 min 3 s with uv against 8 min 57 s with pip, side by side on the same busy 2-core
+# fresh clone took 3 min 3 s with uv and, minutes later, 8 min 57 s with pip on the same busy 2-core
 # machine (81 s with uv when it was quieter). uv does not read pip's configuration, so the index and the
 # local wheel folder pip is configured with (where the CPU build of torch comes from) are handed to it;
 # if uv cannot install, pip does.
