@@ -307,3 +307,10 @@ def test_notebooks_reach_run_files_through_the_library():
                 if not src.lstrip().startswith(("%", "!")):
                     found += [f"{nb.name} cell {i} line {ln}: {name}" for ln, name in spelled_run_files(src, nb.name)]
     assert not found, "notebooks spelling run file names (use workbench.io.RunDir / save_results):\n  " + "\n  ".join(found)
+
+
+def test_no_module_is_over_700_lines():
+    """One file reads as one thing (issue 28): a module past 700 lines is split by concept, as laws/, train/ and pipeline/ were."""
+    long = {p.relative_to(PACKAGE.parent).as_posix(): n for p in PACKAGE.rglob("*.py")
+            if "__pycache__" not in p.parts and (n := len(p.read_text().splitlines())) > 700}
+    assert not long, f"modules over 700 lines: {long}"
