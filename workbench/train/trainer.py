@@ -92,6 +92,7 @@ class Trainer:
         self.loop1_reference = frozen_copy(self.model) if tc.loop1_distill > 0 else None
         self.data_fingerprints = {"train": data_fingerprint(train_data), "val": data_fingerprint(val_data)}
         self.sampler, self.val_batches = self._samplers(train_data, val_data)
+        self._ids_checked = self._check_ids_once(train_data)
         self.total_steps = budget_steps(self.model, tc, self.world)
         self.opts = make_optimizers(self.model, tc)
         # resolved once: what "auto" chose is recorded in the metrics' attrs, results and progress.json
@@ -125,6 +126,19 @@ class Trainer:
             return train_data, None
         vs = BatchSampler(np.asarray(val_data), min(tc.batch_size, 8), tc.seq_len, seed=tc.seed + 1)
         return train_data, [next(vs) for _ in range(tc.eval_batches)]
+
+    def _check_ids_once(self, train_data) -> bool:
+        """Return True after checking every token id of a token array once, on an accelerator; else False.
+
+        On an accelerator the model's per-forward id check reads a device reduction back (a host-device
+        sync per step); a token array checked here, on the host, where the data is given, makes it
+        redundant for the whole run. Example samplers (dicts with labels) keep the per-forward check.
+        """
+        if self.device.type == "cpu" or not (isinstance(train_data, np.ndarray) or torch.is_tensor(train_data)):
+            return False
+        ids = torch.as_tensor(np.asarray(train_data).astype(np.int64, copy=False)).reshape(1, -1)
+        self.model._check_tokens(ids, "train_data")
+        return True
 
     def _for_ranks(self) -> torch.nn.Module:
         """Return the module a step calls: the model alone, or under DDP the model wrapped after the ranks agree."""
@@ -192,7 +206,8 @@ class Trainer:
         metrics.nc record the failure.
         """
         try:
-            with self.checkpoints.catch_signals():
+            models = [m for m in (self.model, self.loop1_reference) if m is not None]
+            with self.checkpoints.catch_signals(), (_ids_checked(models) if self._ids_checked else nullcontext()):
                 self._train_loop()
             if self.checkpoints.signal is not None:
                 self._stop_on_signal()
@@ -285,8 +300,7 @@ class Trainer:
         # states, the loss and the cross-entropy's softmax stay fp32 (models.precision)
         # loop1_distill reads the loop-1 state out of the same pass (a cached place), not a second pass
         keep = ["state.1"] if self.loop1_reference is not None else None
-        with autocast(self.device, self.bf16), (compiled_blocks(self.model) if self.compiled else nullcontext()), \
-                self._ids_checked_on_host(batch):
+        with autocast(self.device, self.bf16), (compiled_blocks(self.model) if self.compiled else nullcontext()):
             if isinstance(batch, dict):  # per-loop supervision, through the wrapper so DDP syncs it
                 w = batch.get("weights")
                 x, labels = self._shard(batch["tokens"]), self._shard(batch["labels"])
@@ -300,33 +314,6 @@ class Trainer:
                 return out.loss, None
             kl = loop1_kl(self.model, self.loop1_reference, x, out.cache["state.1"])
         return out.loss + self.tc.loop1_distill * kl, kl
-
-    def _ids_checked_on_host(self, batch) -> contextlib.AbstractContextManager:
-        """Return a context in which the models skip their per-forward token-id check, the batch's ids having
-        been checked here on the host by that same check (same errors, same order); a null context on a CPU,
-        for a batch already on the device, or for labels of the wrong shape (the forward names those).
-
-        On an accelerator the check reads a device reduction back, a host-device synchronisation per
-        forward; the batch is still on the host here, where reading it costs none.
-        """
-        if self.device.type == "cpu":
-            return nullcontext()
-        check = self.model._check_tokens
-        if isinstance(batch, dict):
-            x, labels = torch.as_tensor(batch["tokens"]), torch.as_tensor(batch["labels"])
-            if x.device.type != "cpu" or labels.device.type != "cpu" or x.dim() != 2 or labels.dim() != 3 \
-                    or labels.shape[0] != x.shape[0] or labels.shape[2] != x.shape[1]:
-                return nullcontext()
-            if labels.numel():  # the forward checks the labels first, then the tokens
-                check(labels.reshape(labels.shape[0], -1), "labels", ignore=-100)
-            check(x)
-        else:
-            batch = torch.as_tensor(batch)
-            if batch.device.type != "cpu":
-                return nullcontext()
-            check(batch[:, :-1])
-            check(batch[:, 1:], "targets", ignore=-100)
-        return _ids_checked([m for m in (self.model, self.loop1_reference) if m is not None])
 
     def _shard(self, x) -> torch.Tensor:
         """Return this rank's rows of a batch tensor, on the trainer's device (all rows when alone)."""
@@ -470,7 +457,8 @@ class Trainer:
 
 @contextlib.contextmanager
 def _ids_checked(models: list[LoopLM]):
-    """Return a context within which the models skip their token-id check on an accelerator (restored after)."""
+    """Return a context within which the models skip their token-id check on an accelerator (restored after),
+    so a model handed to the Trainer checks ids again when used on other data after training."""
     before = [m.ids_checked_upstream for m in models]
     for m in models:
         m.ids_checked_upstream = True
