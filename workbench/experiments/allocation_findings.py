@@ -68,7 +68,7 @@ def _train_runs(runs_dir, pipeline: str) -> dict[tuple[str, int], dict]:
 
 
 def _per_window(run: dict, quantity: str) -> np.ndarray:
-    """Return a train run's per-window statistic `quantity` (drift, under, extrapolation, at_2K) [window]."""
+    """Return a train run's per-window statistic `quantity` (drift, under, extrapolation, at_K, at_2K) [window]."""
     K, loops, w = run["K"], run["loops"], run["windows"]
     row = {r: w[i] for i, r in enumerate(loops)}
 
@@ -79,32 +79,31 @@ def _per_window(run: dict, quantity: str) -> np.ndarray:
                              f"{quantity} needs them")
         return [row[r] for r in rs]
 
+    if quantity == "at_K":
+        return need([K])[0]
     if quantity == "drift":
         return need([3 * K])[0] - need([K])[0]
     if quantity == "at_2K":
-        return need([2 * K])[0] if K > 1 else need([1])[0]
+        return need([2 * K])[0]
     if quantity == "under":
         return np.mean(need([r for r in loops if r < K]), axis=0) - need([K])[0]
     if quantity == "extrapolation":
         return np.mean(need([r for r in loops if K < r <= 3 * K]), axis=0) - need([K])[0]
-    raise ValueError(f"quantity={quantity!r} is invalid: must be drift, under, extrapolation or at_2K")
+    raise ValueError(f"quantity={quantity!r} is invalid: must be drift, under, extrapolation, at_K or at_2K")
 
 
 def _paired(runs: dict, a: str, b: str, qa: str, qb: str, seeds: list[int]) -> list[float]:
-    """Return per seed the mean over windows of qa(arm a) - qb(arm b) (b "" : qa alone), for seeds holding both."""
+    """Return per seed the mean over windows of qa(arm a) - qb(arm b), for the seeds that trained both arms."""
     out = []
     for s in seeds:
-        ra, rb = runs.get((a, s)), runs.get((b, s)) if b else None
-        if ra is None or (b and rb is None):
+        ra, rb = runs.get((a, s)), runs.get((b, s))
+        if ra is None or rb is None:
             continue
-        va = _per_window(ra, qa)
-        if b:
-            vb = _per_window(rb, qb)
-            if va.shape != vb.shape or ra["data_seed"] != rb["data_seed"]:
-                raise ValueError(f"runs {ra['run']} and {rb['run']} (seed {s}) did not read the same held-out windows "
-                                 "(other window count or data seed): they cannot be paired")
-            va = va - vb
-        out.append(float(np.mean(va)))
+        va, vb = _per_window(ra, qa), _per_window(rb, qb)
+        if va.shape != vb.shape or ra["data_seed"] != rb["data_seed"]:
+            raise ValueError(f"runs {ra['run']} and {rb['run']} (seed {s}) did not read the same held-out windows "
+                             "(other window count or data seed): they cannot be paired")
+        out.append(float(np.mean(va - vb)))
     return out
 
 
@@ -139,7 +138,7 @@ def _comparisons(runs: dict, geo: dict, seeds: list[int]) -> list[dict]:
     for q, a, b, quantity, sign in plan:
         if a in arms and b in arms:
             # the non-looped model has one loop count: the looped split at 2K is compared with it at its K = 1
-            vals = _paired_at(runs, a, b, seeds) if q == "beyond" else _paired(runs, a, b, quantity, quantity, seeds)
+            vals = _paired(runs, a, b, quantity, "at_K" if q == "beyond" else quantity, seeds)
             rows.append({"question": q, "a": a, "b": b, "quantity": quantity, "sign": sign, "values": vals})
     for a in arms:
         if K[a] == 1:
@@ -148,20 +147,6 @@ def _comparisons(runs: dict, geo: dict, seeds: list[int]) -> list[dict]:
             vals = [_geometry_change(geo[(a, s)], var, K[a]) for s in seeds if (a, s) in geo]
             rows.append({"question": "geometry", "a": a, "b": "", "quantity": var, "sign": sign, "values": vals})
     return [r for r in rows if len(r["values"]) >= 2]
-
-
-def _paired_at(runs: dict, a: str, b: str, seeds: list[int]) -> list[float]:
-    """Return per seed the mean over windows of L_a(2K_a) - L_b(K_b): a looped split unrolled against the non-looped one."""
-    out = []
-    for s in seeds:
-        ra, rb = runs.get((a, s)), runs.get((b, s))
-        if ra is None or rb is None:
-            continue
-        va, vb = _per_window(ra, "at_2K"), rb["windows"][rb["loops"].index(rb["K"])]
-        if va.shape != vb.shape or ra["data_seed"] != rb["data_seed"]:
-            raise ValueError(f"runs {ra['run']} and {rb['run']} (seed {s}) did not read the same held-out windows")
-        out.append(float(np.mean(va - vb)))
-    return out
 
 
 def _depth(arm: str) -> int:
