@@ -39,7 +39,7 @@ PRELUDE = ("prelude", "0+2x4+2", "2+2x4+0", "extrapolation", +1)
 NONLOOPED = "1+12x1+1"
 GEOMETRY = (("angular_distance", -1), ("relative_update", -1), ("state_variance", +1))
 QUANTITY = {"drift": "L(3K) - L(K)", "under": "mean over r < K of L(r) - L(K)",
-            "extrapolation": "mean over K < r <= 3K of L(r) - L(K)", "at_2K": "L(2K)",
+            "extrapolation": "mean over K < r <= 3K of L(r) - L(K)", "at_2K": "L(2K) of a - L(K) of b",
             "angular_distance": "angular distance at 3K - at K (pi rad)",
             "relative_update": "relative update at 3K - at K", "state_variance": "V(x(3K))/V(x(K)) - 1"}
 
