@@ -154,12 +154,14 @@ def test_loop_sweep_notebook_runs_on_a_cli_run(cli_run, tmp_path):
     import papermill
     import xarray as xr
 
+    from workbench.pipeline.execute import socket_kernel_manager_class
+
     run = cli_run.run
     root = Path(__file__).resolve().parent.parent
     papermill.execute_notebook(str(root / "notebooks" / "loop_sweep.ipynb"), str(tmp_path / "out.ipynb"),
                                parameters={"checkpoint": str(run), "max_loops": 4, "n_sequences": 2,
                                            "seq_len": 16}, cwd=str(tmp_path), kernel_name="python3",
-                               progress_bar=False)
+                               progress_bar=False, kernel_manager_class=socket_kernel_manager_class())
     nb = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     assert not [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     ds = xr.load_dataset(tmp_path / "results.nc", engine="h5netcdf")

@@ -15,6 +15,7 @@ import xarray as xr
 import yaml
 
 from workbench import pipeline
+from workbench.pipeline.execute import socket_kernel_manager_class
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -253,7 +254,8 @@ def test_standalone_notebook(name, tmp_path, monkeypatch):
     # the kernel's temporary folder: where the tour writes when no out_dir is given (never the cwd)
     monkeypatch.setenv("TMPDIR", str(temp))
     papermill.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(out), parameters=params,
-                               cwd=str(cwd), kernel_name="python3", progress_bar=False)
+                               cwd=str(cwd), kernel_name="python3", progress_bar=False,
+                               kernel_manager_class=socket_kernel_manager_class())
     nb = nbformat.read(out, as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors

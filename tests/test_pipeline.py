@@ -189,7 +189,7 @@ def test_failed_run_is_recorded_others_go_on_and_exit_is_nonzero(project, capsys
     runs = project / "runs"
     assert cli(["run", str(s), "--runs", str(runs), "--jobs", "2"]) == 1
     out = capsys.readouterr().out
-    assert "3 failed" in out and "RuntimeError: asked to fail" in out
+    assert "3 failed" in out and "RuntimeError: asked to fail" in out, out
     rows = pipeline.status(s, runs_dir=runs)
     a = [r for r in rows if r["step"] == "a"]
     assert sorted(r["state"] for r in a) == ["done"] * 3 + ["failed"] * 3

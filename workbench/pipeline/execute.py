@@ -17,7 +17,9 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 import time
+import uuid
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,11 +58,31 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _kernel_manager_class():
-    """Return a kernel manager that sends the kernel's stderr to kernel.log in its working directory."""
+def socket_kernel_manager_class():
+    """Return a kernel manager class whose kernel talks over Unix sockets of its own (TCP where there are none)."""
     from jupyter_client.manager import AsyncKernelManager
+    from traitlets import CaselessStrEnum
 
-    class RunKernelManager(AsyncKernelManager):
+    class SocketKernelManager(AsyncKernelManager):
+        # jupyter_client picks "free" TCP ports by binding and releasing them, so two kernels started at once
+        # (parallel runs, another pipeline, a test beside it) can pick the same port and one dies at start
+        # (its known race; a CI run lost a run to it). A socket path of our own cannot be taken by another;
+        # it is kept short because a socket path has at most 107 bytes.
+        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc" if os.name == "posix" else "tcp")
+
+        def _ip_default(self) -> str:
+            if self.transport != "ipc":
+                return super()._ip_default()
+            tmp = tempfile.gettempdir()
+            return os.path.join(tmp if len(tmp) < 64 else "/tmp", f"wb-kernel-{uuid.uuid4().hex[:16]}")
+
+    return SocketKernelManager
+
+
+def _kernel_manager_class():
+    """Return a socket kernel manager that sends the kernel's stderr to kernel.log in its working directory."""
+
+    class RunKernelManager(socket_kernel_manager_class()):
         # the kernel's own log lines (and any C-level crash message) stay with the run, not on the terminal
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             with open(RunDir(kw.get("cwd") or ".").kernel_log, "ab") as log:

@@ -210,8 +210,9 @@ class LoopExplorer:
                                    "and with the KL exit rule (up to max_loops)")
         self.generated = W.HTML()
         self.figures = self._build_figures()
-        for name, fig in self.figures.items():
-            fig.add_class(f"wb-explorer-{name}")  # stable hooks for the browser test and custom CSS
+        # stable hooks for the browser test and custom CSS, on a plain box around each figure: a class set on
+        # the plotly widget itself was missing from its element in one loaded CI run (its view draws late)
+        panels = {name: W.Box([fig]).add_class(f"wb-explorer-{name}") for name, fig in self.figures.items()}
         # while the explorer itself sets a control (_syncing), its observer must not act on it
         self.prompt.observe(self._guard(lambda ch: self._syncing or self.set_text(ch["new"])), "value")
         self.slider.observe(self._guard(lambda ch: self._syncing or self.set_loop(ch["new"])), "value")
@@ -219,7 +220,6 @@ class LoopExplorer:
                                               or self.set_token(ch["new"])), "value")
         self.load_button.on_click(self._guard(lambda _: self.set_model(self.path.value)))
         self.gen_button.on_click(self._guard(lambda _: self.generate()))
-        f = self.figures
         self.widget = W.VBox([
             self.source,
             W.HBox([self.path, self.load_button]),
@@ -230,8 +230,8 @@ class LoopExplorer:
             self.status,
             W.HBox([self.gen_button, self.generated]),
             # rows wrap on a narrow page rather than clip the figures
-            W.HBox([f["predictions"], f["curves"]], layout=W.Layout(flex_flow="row wrap")),
-            W.HBox([f["trajectory"], f["heatmap"]], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([panels["predictions"], panels["curves"]], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([panels["trajectory"], panels["heatmap"]], layout=W.Layout(flex_flow="row wrap")),
         ])
         self.widget.add_class("wb-explorer")
         self.text = text
