@@ -149,6 +149,17 @@ def test_profile_overrides_grid(project):
         pipeline.load_spec(s, "huge")
 
 
+def test_a_profile_drops_a_grid_axis_with_null_and_cases_may_not_name_a_grid_parameter(project):
+    text = SPEC + "  cased:\n    a: {grid: {x: null}, cases: [{x: 7}, {x: 8, scale: 2.0}]}\n"
+    jobs = pipeline.expand(pipeline.load_spec(spec(project, text), "cased"), project / "runs")
+    assert [(j.params["x"], j.params.get("scale")) for j in jobs if j.step == "a"] == [(7, None), (8, 2.0)]
+    # without the null, x would come from both the grid and the cases: refused, naming it, before anything runs
+    for bad in (text.replace("{x: null}", "{x: [1]}"), SPEC.replace("grid: {x: [1, 2, 3]}", "grid: {x: [1, 2, 3]}\n"
+                                                                    "    cases: [{x: 4}]")):
+        with pytest.raises(pipeline.PipelineError, match="step 'a': x named in both cases and grid"):
+            pipeline.load_spec(spec(project, bad), "cased" if "cased" in bad else None)
+
+
 @pytest.mark.parametrize("change, message", [
     ("params: {sclae: 10.0, log: LOG}", "unknown parameter 'sclae'"),
     ("params: {scale: ten, log: LOG}", "scale='ten' has type str; tiny.ipynb declares scale: float"),

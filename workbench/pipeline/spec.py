@@ -214,10 +214,17 @@ def _load_step(s: Any, i: int, path: Path, profile: str | None, overrides: dict,
         if k not in PROFILE_KEYS:
             problems.append(f"{over_at}: unknown key {k!r}; allowed: {', '.join(sorted(PROFILE_KEYS))}")
     params.update(_mapping(over.get("params"), over_at, "params", problems))
-    grid.update(_mapping(over.get("grid"), over_at, "grid", problems))
+    over_grid = _mapping(over.get("grid"), over_at, "grid", problems)
+    grid.update(over_grid)
     if "cases" in over:
         cases = _check_cases(over["cases"], over_at, problems)
+    for k in [k for k, v in over_grid.items() if v is None]:
+        del grid[k]  # a profile drops one of the step's grid axes with `name: null`
     _check_grid(grid, where, problems)
+    both = sorted({k for c in cases for k in c} & grid.keys())
+    if both:  # one would silently win over the other
+        problems.append(f"{where}: {', '.join(both)} named in both cases and grid (after the profile's overrides); "
+                        "give each parameter in one of them (a profile drops a grid axis with `name: null`)")
     if len(each) > 1:
         problems.append(f"{where}: each={each!r} is invalid: name one upstream step")
     for kind, m in (("each", each), ("gather", gather)):
