@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import nbformat
@@ -16,6 +17,7 @@ import pytest
 
 from workbench import pipeline
 from workbench.cli import main as cli
+from workbench.io import RunDir, RunLock
 
 PARAMS = textwrap.dedent("""\
     x: int = 1  # a number the run writes out
@@ -245,6 +247,35 @@ def test_report_links_every_run_and_renders_notebooks(project):
         page = job.dir / "notebook.html"
         assert page.exists() and '<script src="../../plotly.min.js">' in page.read_text()
     assert (runs / "demo" / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
+    """`workbench clean` beside a running pipeline (real processes): refused naming the run; the run ends done."""
+    gate = project / "gate"
+    write_notebook(project / "notebooks" / "waits.ipynb",
+                   BODY.replace("import json, os, time", "import json, os, time\n"
+                                f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.05)"))
+    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, params: {x: 3}}\n")
+    job, = pipeline.expand(pipeline.load_spec(s), project / "runs")
+    runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
+                               "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (RunLock.busy(job.dir) and RunDir(job.dir).partial.exists()):
+            assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+            time.sleep(0.05)
+        for failed_only in ([], ["--failed"]):
+            clean = subprocess.run([sys.executable, "-m", "workbench.cli", "clean", str(s), "--runs",
+                                    str(project / "runs"), *failed_only], capture_output=True, text=True, timeout=120)
+            assert clean.returncode == 2, clean.stderr
+            assert "executing now (a/." in clean.stderr and "nothing was removed" in clean.stderr, clean.stderr
+            assert RunDir(job.dir).partial.exists()
+    finally:
+        gate.touch()
+        out, _ = runner.communicate(timeout=120)
+    assert runner.returncode == 0, out
+    assert value(job.dir) == 3  # the run finished in its folder, whole
+    assert cli(["clean", str(s), "--runs", str(project / "runs")]) == 0 and not job.dir.exists()
 
 
 @pytest.mark.slow

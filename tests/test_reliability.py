@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import xarray as xr
 
 from workbench import LoopConfig
 from workbench.cli import main
-from workbench.io import latest_checkpoint, load_tensors, open_run
+from workbench.io import RunDir, RunLock, latest_checkpoint, load_tensors, open_run
 from workbench.train import CHANCE_STEPS, Diverged, Trainer, TrainConfig
 
 CFG = LoopConfig(vocab_size=256, d_model=32, n_heads=4, n_kv_heads=2, prelude=1, core=1, coda=1, loops=2,
@@ -272,6 +273,72 @@ def test_a_signal_saves_and_resume_ends_bit_identical(sig, code, corpus, straigh
     a, b = (xr.load_dataset(d / "metrics.nc", engine="h5netcdf") for d in (straight, run))
     for var in ("loss", "lr", "grad_norm", "loops"):
         assert a[var].values.tolist() == b[var].values.tolist(), var
+
+
+# ---- a signal at any phase saves: a training step (above), a checkpoint write, the final evaluation ----------------
+PHASER = textwrap.dedent("""
+    import os, signal, sys
+    import workbench.train.checkpoint as C
+    import workbench.train.trainer as T
+    sig, phase = getattr(signal, sys.argv[1]), sys.argv[2]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground terminal
+    if phase == "evaluation":  # the final evaluation (the only one: no eval_every)
+        real = T.Trainer.evaluate
+        def evaluate(self):
+            os.kill(os.getpid(), sig)
+            return real(self)
+        T.Trainer.evaluate = evaluate
+    else:  # the final checkpoint's write
+        real = C.save_checkpoint
+        def save(*a, **kw):
+            os.kill(os.getpid(), sig)
+            return real(*a, **kw)
+        C.save_checkpoint = save
+    from workbench.cli import main
+    sys.exit(main(sys.argv[3:]))
+""")
+
+
+@pytest.mark.parametrize("sig, code, phase", [("SIGTERM", -signal.SIGTERM, "evaluation"), ("SIGINT", 130, "evaluation"),
+                                              ("SIGTERM", -signal.SIGTERM, "checkpoint")])
+def test_a_signal_in_the_final_evaluation_or_checkpoint_write_saves_the_checkpoint_and_metrics(sig, code, phase,
+                                                                                               corpus, tmp_path):
+    script = tmp_path / "phaser.py"
+    script.write_text(PHASER)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), sig, phase, *cli_args(run, corpus, "--steps", 3)],
+                          capture_output=True, text=True, timeout=300, env=fresh_env())
+    assert proc.returncode == code, proc.stderr
+    assert f"{sig} at step 3 of 3: checkpoint" in proc.stderr, proc.stderr
+    assert latest_checkpoint(run).name == "ckpt-00000003" and all_finite(run / "ckpt-00000003")
+    metrics = xr.load_dataset(RunDir(run).metrics, engine="h5netcdf")
+    assert metrics.sizes["step"] == 3 and np.isfinite(metrics.loss.values).all()
+    open_run(run)  # the folder is one consistent run
+
+
+def test_a_second_training_on_a_folder_in_use_is_refused_naming_the_first_even_with_overwrite(corpus, tmp_path):
+    run = tmp_path / "run"
+    # the first training: long enough to be running while the second starts; stopped by SIGINT at the end
+    first = subprocess.Popen([sys.executable, "-m", "workbench.cli", *cli_args(run, corpus, "--steps", 100000)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fresh_env())
+    try:
+        deadline = time.monotonic() + 240
+        while not (RunLock.busy(run) and RunDir(run).config.exists()):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        config = RunDir(run).config.read_bytes()
+        second = subprocess.run([sys.executable, "-m", "workbench.cli",
+                                 *cli_args(run, corpus, "--steps", 6, "--overwrite", "--seed", 1)],
+                                capture_output=True, text=True, timeout=300, env=fresh_env())
+        assert second.returncode == 2, second.stderr
+        assert "being written by another process" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr
+        assert RunDir(run).config.read_bytes() == config  # nothing of the second run was written
+    finally:
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=240)
+    assert first.returncode == 130, err
+    model, _ = open_run(run)  # one run, whole: its own config, tokenizer and checkpoint
+    assert json.loads(RunDir(run).config.read_text())["train"]["seed"] == 0
 
 
 # ---- resume refuses another seed, data or config ---------------------------------------------------------------------

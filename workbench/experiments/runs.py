@@ -11,6 +11,7 @@ so probes downstream see held-out text.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,8 @@ import torch
 import xarray as xr
 
 from ..config import LoopConfig, check_bool, check_float, check_int, fail
-from ..io import RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance, read_json, save_results, write_run_config
+from ..io import (RUN_CONFIG, TOKENIZER, RunDir, RunLock, clear_run, holds_run, provenance, read_json, save_results,
+                  write_run_config)
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
@@ -401,85 +403,88 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         fail("out_dir", str(out_dir), "must be a folder (it is a file)")
-    experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
-                  "task_depths": list(task_depths or []), "seed": seed, "data_seed": data_seed,
-                  **({"task_options": task_options} if task_options else {})}
-    if holds_run(out):
-        if resume and (out / RUN_CONFIG).is_file():
-            _resume_conflicts(out, cfg, tc, {**experiment, "vocab_request": vocab_size})
-        elif not resume and not overwrite:
-            raise FileExistsError(f"out_dir={str(out_dir)!r} already holds a run (config.json, tokenizer.json or "
-                                  "checkpoints): resume it (resume=True, `workbench train --resume`) or replace it "
-                                  "(overwrite=True, `--overwrite`); nothing was changed")
-        elif overwrite and rank == 0:
-            clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
-    barrier()  # rank 0 changes the folder only after every rank has checked it as it was
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=data_seed, task_options=task_options)
-    tok_path = out / TOKENIZER
-    tok = None
-    if rank == 0 and not (resume and tok_path.exists()):
-        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=data_seed)
-        tok.save(tok_path)
-    barrier()  # the tokenizer rank 0 kept or made is on disk: the other ranks read that one
-    if tok is None:
-        try:
-            tok = Tokenizer.load(tok_path)
-        except Exception as e:  # the tokenizers library raises its own exception types
-            raise ValueError(f"cannot read the tokenizer at {tok_path} (truncated or corrupt?): {e}") from None
-    data = tokenize_corpus(text, tok, progress=progress and rank == 0)
-    experiment = {**experiment, "vocab_size": tok.vocab_size, "vocab_request": vocab_size}
+    # one writer per run folder: another training, an --overwrite or a pipeline run there is refused, naming it
+    with RunLock(out, f"training (train_run, {world} process{'es' if world > 1 else ''})") if rank == 0 \
+            else contextlib.nullcontext():
+        experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
+                      "task_depths": list(task_depths or []), "seed": seed, "data_seed": data_seed,
+                      **({"task_options": task_options} if task_options else {})}
+        if holds_run(out):
+            if resume and (out / RUN_CONFIG).is_file():
+                _resume_conflicts(out, cfg, tc, {**experiment, "vocab_request": vocab_size})
+            elif not resume and not overwrite:
+                raise FileExistsError(f"out_dir={str(out_dir)!r} already holds a run (config.json, tokenizer.json or "
+                                      "checkpoints): resume it (resume=True, `workbench train --resume`) or replace it "
+                                      "(overwrite=True, `--overwrite`); nothing was changed")
+            elif overwrite and rank == 0:
+                clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
+        barrier()  # rank 0 changes the folder only after every rank has checked it as it was
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=data_seed, task_options=task_options)
+        tok_path = out / TOKENIZER
+        tok = None
+        if rank == 0 and not (resume and tok_path.exists()):
+            tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=data_seed)
+            tok.save(tok_path)
+        barrier()  # the tokenizer rank 0 kept or made is on disk: the other ranks read that one
+        if tok is None:
+            try:
+                tok = Tokenizer.load(tok_path)
+            except Exception as e:  # the tokenizers library raises its own exception types
+                raise ValueError(f"cannot read the tokenizer at {tok_path} (truncated or corrupt?): {e}") from None
+        data = tokenize_corpus(text, tok, progress=progress and rank == 0)
+        experiment = {**experiment, "vocab_size": tok.vocab_size, "vocab_request": vocab_size}
 
-    cfg = cfg.replace(vocab_size=tok.vocab_size) if "vocab_size" not in model else cfg
-    if rank == 0:
-        write_run_config(out, cfg, tc, experiment)
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg, tc, data.train, data.val, out_dir=out, resume=resume)
-    metrics = trainer.run()
-    wall = time.perf_counter() - t0
-    net = trainer.model.eval()
-    K = cfg.loops
-    loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]) | {K})  # K: final_loss is read there
-    val = torch.cat(trainer.val_batches)
-    sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16, per_sequence=True)  # as it was trained
-    run = Run(net, tok, experiment, out, data)
+        cfg = cfg.replace(vocab_size=tok.vocab_size) if "vocab_size" not in model else cfg
+        if rank == 0:
+            write_run_config(out, cfg, tc, experiment)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, tc, data.train, data.val, out_dir=out, resume=resume)
+        metrics = trainer.run()
+        wall = time.perf_counter() - t0
+        net = trainer.model.eval()
+        K = cfg.loops
+        loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]) | {K})  # K: final_loss is read there
+        val = torch.cat(trainer.val_batches)
+        sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16, per_sequence=True)  # as it was trained
+        run = Run(net, tok, experiment, out, data)
 
-    r_train = float(np.mean(metrics.loops.values))
-    k_train = float(np.mean(metrics.backward_loops.values))
-    pc = net.param_counts()
-    steps = int(metrics.sizes["step"])
-    ds = xr.Dataset(
-        {"loss": sweep["loss"].assign_attrs(long_name="validation loss (nats/token)"),
-         "accuracy": sweep["accuracy"].assign_attrs(long_name="validation next-token accuracy"),
-         "train_loss": ("step", metrics.loss.values, {"long_name": "training loss"}),
-         "lr": ("step", metrics.lr.values),
-         "window_loss": sweep["sequence_loss"].rename(sequence="window").assign_attrs(
-             long_name="validation loss of each held-out window (nats/token)")},
-        coords={"step": metrics.step.values})
-    if "eval_loss" in metrics:
-        # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
-        ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
-    tokens_seen = steps * tc.batch_size * tc.seq_len * trainer.world  # batch_size is per process
-    at_k = float(sweep["loss"].sel(loop=K))
-    scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
-               "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
-               "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),
-               "wall_s": wall, "compile_s": float(metrics.compile_s.sum())}
-    for k, v in scalars.items():
-        ds[k] = ((), float(v))
-    if tasks:
-        ts = loop_sweep(net, run.task_examples(), loops, tokenizer=tok, progress=False, bf16=trainer.bf16)
-        ds.update(task_results(ts, tasks, task_depths, task_options))
-    ds.attrs = provenance(cfg, seed, train_config=tc.to_json(), corpus=corpus, tasks=",".join(tasks),
-                          training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
-                          **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
-                          **trainer.speed_attrs())  # precision, compile and why: what "auto" chose here
-    head = loss_headline(ds["loss"], K)  # the report shows the best loop count and the loss there and at K
-    ds = ds.assign(head.data_vars)
-    if rank == 0:
-        save_results(ds, out, headline=list(head))
-    return run, ds
+        r_train = float(np.mean(metrics.loops.values))
+        k_train = float(np.mean(metrics.backward_loops.values))
+        pc = net.param_counts()
+        steps = int(metrics.sizes["step"])
+        ds = xr.Dataset(
+            {"loss": sweep["loss"].assign_attrs(long_name="validation loss (nats/token)"),
+             "accuracy": sweep["accuracy"].assign_attrs(long_name="validation next-token accuracy"),
+             "train_loss": ("step", metrics.loss.values, {"long_name": "training loss"}),
+             "lr": ("step", metrics.lr.values),
+             "window_loss": sweep["sequence_loss"].rename(sequence="window").assign_attrs(
+                 long_name="validation loss of each held-out window (nats/token)")},
+            coords={"step": metrics.step.values})
+        if "eval_loss" in metrics:
+            # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
+            ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
+        tokens_seen = steps * tc.batch_size * tc.seq_len * trainer.world  # batch_size is per process
+        at_k = float(sweep["loss"].sel(loop=K))
+        scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
+                   "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
+                   "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),
+                   "wall_s": wall, "compile_s": float(metrics.compile_s.sum())}
+        for k, v in scalars.items():
+            ds[k] = ((), float(v))
+        if tasks:
+            ts = loop_sweep(net, run.task_examples(), loops, tokenizer=tok, progress=False, bf16=trainer.bf16)
+            ds.update(task_results(ts, tasks, task_depths, task_options))
+        ds.attrs = provenance(cfg, seed, train_config=tc.to_json(), corpus=corpus, tasks=",".join(tasks),
+                              training_loops=K, notation=cfg.notation, tokenizer=tok.fingerprint,
+                              **{f"model_{k}": v for k, v in model.items() if isinstance(v, (int, float, str))},
+                              **trainer.speed_attrs())  # precision, compile and why: what "auto" chose here
+        head = loss_headline(ds["loss"], K)  # the report shows the best loop count and the loss there and at K
+        ds = ds.assign(head.data_vars)
+        if rank == 0:
+            save_results(ds, out, headline=list(head))
+        return run, ds
 
 
 def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: Sequence[str] = (),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import fcntl
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..io import RunDir, atomic_write_bytes, read_record
+from ..io import RunDir, RunLock, atomic_write_bytes, read_record
 from .keys import library_digest
 from .spec import PipelineError, RunJob, _done
 
@@ -39,18 +38,6 @@ def work_dir(run_dir: Path) -> Path:
     """Return the folder a run executes in before it is renamed to run_dir: .<key>.partial beside it."""
     # hidden (a leading dot), so a glob over a step's finished runs never picks it up
     return RunDir(run_dir).partial
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the file at path (created if absent) for the with-block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # another runner executing the same run makes us wait, then skip
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def now() -> str:
@@ -96,7 +83,8 @@ def _kernel_manager_class():
 def _claimed(job: RunJob) -> Iterator[tuple[Path, Path, dict | None]]:
     """Yield (final folder, working folder, the skipped record if the run is already done, else None) under its lock."""
     final = Path(job.dir)
-    with _locked(RunDir(final).lock):
+    # another runner executing the same run makes us wait, then skip; a training writing there, too
+    with RunLock(final, f"pipeline {job.pipeline}, step {job.step}", wait=True):
         rec = read_record(final)
         done = {**rec, "skipped": True} if _done(rec) else None
         yield final, work_dir(final), done

@@ -7,8 +7,6 @@ sharing the file system.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import shutil
 import sys
 import threading
@@ -16,26 +14,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..io import RunDir, read_progress
+from ..io import RunDir, RunLock, read_progress
 from .execute import work_dir
 from .spec import RunJob
-
-
-def _held(lock: Path) -> bool:
-    """Return True when some runner holds the run's lock file, i.e. the run is executing now."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new open file: conflicts even with this process's lock
-    except OSError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
 
 
 def _clock(seconds: float) -> str:
@@ -161,7 +142,7 @@ class LiveProgress:
         fresh = False
         for job in jobs:
             run = RunDir(job.dir)
-            if not _held(run.lock) or run.record.exists():
+            if not RunLock.busy(run.path) or run.record.exists():
                 continue
             first, phase_shown = self._seen.get(job.key, (now, None))
             prog = read_progress(work_dir(job.dir))  # execute_run removed any left by an earlier attempt

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io import read_record
+from ..io import RunBusyError, RunDir, RunLock, read_record
 from .execute import execute_run, make_executor, work_dir
 from .keys import drop_upstream, expand, library_digest
 from .progress import LiveProgress, trained_text
 from .report import report
-from .spec import Pipeline, RunJob, _done, load_spec, validate
+from .spec import Pipeline, PipelineError, RunJob, _done, load_spec, validate
 
 
 @dataclass
@@ -156,12 +157,40 @@ def status(spec: str | os.PathLike, profile: str | None = None, runs_dir: str | 
 
 
 def clean(spec: str | os.PathLike, runs_dir: str | os.PathLike = "runs", failed_only: bool = False) -> list[Path]:
-    """Return the folders removed: all of the pipeline's runs, or only failed and partial ones."""
+    """Return the folders removed: all of the pipeline's runs, or only failed and partial ones.
+
+    Refused (PipelineError, nothing removed) while any run of the pipeline is executing: clean holds every
+    run's writer lock (`io.RunLock`) while it deletes, so no run starts in a folder being removed either.
+    """
     pipe = load_spec(spec)
     root = Path(runs_dir).resolve() / pipe.name
     removed: list[Path] = []
     if not root.exists():
         return removed
+    folders = sorted(d for d in root.glob("*/*") if d.is_dir())  # runs and .<key>.partial working folders
+    with contextlib.ExitStack() as held:
+        busy = []
+        for d in folders:
+            # a working folder is written by its runner (the lock of the run it becomes) and by a training in it
+            final = RunDir.final_of(d)
+            for target in {final, d}:
+                try:
+                    held.enter_context(RunLock(target, "workbench clean"))
+                except RunBusyError:
+                    busy.append(d)
+        if busy:
+            raise PipelineError(f"{pipe.name}: {len(set(busy))} run(s) are executing now ("
+                                + ", ".join(sorted({f'{d.parent.name}/{d.name}' for d in busy}))
+                                + "); nothing was removed: wait for them to end, or stop them first")
+        if not failed_only:
+            shutil.rmtree(root)
+            return [root]
+        partial = set(root.glob(f"*/{work_dir(Path('*')).name}"))  # every step's working folders: .<key>.partial
+        for d in folders:
+            if d in partial or (read_record(d) or {}).get("status") == "failed":
+                shutil.rmtree(d)
+                removed.append(d)
+    return removed
     if not failed_only:
         shutil.rmtree(root)
         return [root]

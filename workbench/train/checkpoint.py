@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..config import LoopConfig
-from ..io import (RunDir, _load_optim_state, clear_run, holds_run, latest_checkpoint, load_tensors, mark_failed,
-                  read_json, read_manifest, save_checkpoint, save_netcdf)
+from ..io import (RunDir, RunLock, _load_optim_state, clear_run, holds_run, latest_checkpoint, load_tensors,
+                  mark_failed, read_json, read_manifest, save_checkpoint, save_netcdf)
 from .config import RESUME_FIELDS, TrainConfig
 from .distributed import all_gather_json
 
@@ -42,6 +42,10 @@ class Diverged(FloatingPointError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
+
+
+class Interrupted(Exception):
+    """A signal ended an interruptible phase (the final evaluation) early; the Trainer saves and then acts on it."""
 
 
 def data_fingerprint(tokens) -> str | None:
@@ -75,7 +79,17 @@ class Checkpointer:
         self.run = RunDir(out_dir) if out_dir is not None else None
         self.tc, self.total_steps, self.rank, self.dist = tc, total_steps, rank, dist
         self.signal: int | None = None  # the signal that asked this process to stop (catch_signals)
+        self._interruptible = False  # inside `interruptible()`: a first signal raises Interrupted
+        self.last_saved: tuple[int, Path] | None = None  # (step, folder) of the newest checkpoint written here
+        # the one writer of the folder from `prepare` until `close` (rank 0): another training, an --overwrite,
+        # a pipeline run or `workbench clean` there is refused meanwhile, naming this process
+        self.lock = RunLock(self.run.path, "training (Trainer)") if self.writes else None
         self.saved_at = time.monotonic()  # the clock of checkpoint_seconds
+
+    def close(self) -> None:
+        """Return None after giving back the folder's writer lock (taken by `prepare`)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def writes(self) -> bool:
@@ -95,6 +109,7 @@ class Checkpointer:
             probe.unlink()
         except OSError as e:
             raise ValueError(f"out_dir={str(out)!r} is not writable: {e}") from e
+        self.lock.acquire()  # before anything in the folder is read or changed
         if not resume and holds_run(out) and self.run.latest.exists():
             if not overwrite:
                 raise FileExistsError(f"out_dir={str(out)!r} already holds a run ({RunDir.LATEST}): pass "
@@ -165,6 +180,7 @@ class Checkpointer:
             raise self.diverged(state["step"], f"after its update, {bad} is not finite")
         path = save_checkpoint(self.run.path, model, opts, state, self.tc.keep_checkpoints)
         self.saved_at = time.monotonic()
+        self.last_saved = (state["step"], path)
         return path
 
     def write_metrics(self, ds) -> None:
@@ -188,6 +204,9 @@ class Checkpointer:
                 signal.raise_signal(signum)
                 return
             self.signal = signum
+            if self._interruptible:  # the final evaluation: abandoned, so the save comes now, not minutes later
+                self._interruptible = False
+                raise Interrupted(signal.Signals(signum).name)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             prev = signal.getsignal(sig)
@@ -200,6 +219,17 @@ class Checkpointer:
         finally:
             for sig, prev in old.items():
                 signal.signal(sig, prev)
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Return a context that a first SIGINT / SIGTERM ends at once with Interrupted (the signal is kept)."""
+        if self.signal is not None:
+            raise Interrupted(signal.Signals(self.signal).name)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def act_on_signal(self, step: int, path: Path | None) -> None:
         """Return never: say where the checkpoint is, then act as the signal would (KeyboardInterrupt, or exit)."""

@@ -55,7 +55,7 @@ from ..config import LoopConfig, check_bool, fail
 from ..io import provenance, write_progress
 from ..models.looped import LoopLM
 from ..models.precision import autocast, precision_name, use_bf16
-from .checkpoint import Checkpointer, Diverged, data_fingerprint, nonfinite
+from .checkpoint import Checkpointer, Diverged, Interrupted, data_fingerprint, nonfinite
 from .compile import compile_count, compile_pays, compiled_blocks
 from .config import CHANCE_FRACTION, CHANCE_STEPS, METRICS, PROGRESS_EVERY_S, RESUME_FIELDS, TrainConfig, check_fit
 from .distill import frozen_copy, loop1_kl
@@ -108,10 +108,14 @@ class Trainer:
         self.warnings: list[str] = []  # kept in checkpoints and the metrics' attrs
         self.failed: str | None = None
         self.checkpoints = Checkpointer(self.out_dir, tc, self.total_steps, self.rank, self.dist)
-        self.checkpoints.prepare(resume, overwrite)
-        if resume:
-            self._resume()
-        self.train_model = self._for_ranks()  # compile acts on the blocks (compiled_blocks), never wraps the model
+        try:  # the folder's writer lock is held from here until run() ends (or close())
+            self.checkpoints.prepare(resume, overwrite)
+            if resume:
+                self._resume()
+            self.train_model = self._for_ranks()
+        except BaseException:
+            self.checkpoints.close()
+            raise  # compile acts on the blocks (compiled_blocks), never wraps the model
 
     # set-up -----------------------------------------------------------------------------------------------
     def _samplers(self, train_data, val_data) -> tuple[Any, list[torch.Tensor] | None]:
@@ -207,26 +211,43 @@ class Trainer:
         """
         try:
             models = [m for m in (self.model, self.loop1_reference) if m is not None]
+            # the signals are caught through the final evaluation and save too: a signal there saves and
+            # writes the metrics like one during a step (the evaluation is abandoned, not waited for)
             with self.checkpoints.catch_signals(), (_ids_checked(models) if self._ids_checked else nullcontext()):
                 self._train_loop()
+                if self.checkpoints.signal is None:
+                    self._final_evaluation()
             if self.checkpoints.signal is not None:
                 self._stop_on_signal()
-            try:
-                if self.val_batches is not None and (not self.evals or int(self.evals[-1].step[0]) != self.step):
-                    self._report_progress("evaluating", force=True)
-                    self.evals.append(self.evaluate())
-            finally:  # a failing evaluation never costs the trained weights
-                self.save()
+            ds = self.metrics_dataset()
+            self.checkpoints.write_metrics(ds)
+            self._report_progress("done", force=True)
+            return ds
         except Diverged as e:
             self.failed = str(e)  # before the metrics are written: their attrs carry it
             if self.checkpoints.writes:
                 self.checkpoints.record_failure(e, self.metrics_dataset())
             self._report_progress("failed", force=True)
             raise
-        ds = self.metrics_dataset()
-        self.checkpoints.write_metrics(ds)
-        self._report_progress("done", force=True)
-        return ds
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Return None after giving back the run folder's writer lock (run() does this when it ends)."""
+        self.checkpoints.close()
+
+    def _final_evaluation(self) -> None:
+        """Return None after evaluating at the last step (unless already done there) and saving the checkpoint."""
+        try:
+            if self.val_batches is not None and (not self.evals or int(self.evals[-1].step[0]) != self.step):
+                self._report_progress("evaluating", force=True)
+                with self.checkpoints.interruptible():
+                    self.evals.append(self.evaluate())
+        except Interrupted:
+            pass  # the signal is kept: run() saves, writes the metrics and acts on it
+        finally:  # a failing evaluation never costs the trained weights
+            if self.checkpoints.signal is None:
+                self.save()
 
     def _train_loop(self) -> None:
         """Return None after training to the budget, or after the step at which a signal asked to stop."""
@@ -449,7 +470,8 @@ class Trainer:
 
     def _stop_on_signal(self) -> None:
         """Return never: save a checkpoint and the metrics, say where, then act as the signal would."""
-        path = self.save()
+        last = self.checkpoints.last_saved  # a signal during the final save: that checkpoint is this step's
+        path = last[1] if last is not None and last[0] == self.step else self.save()
         if self.checkpoints.writes:
             self.checkpoints.write_metrics(self.metrics_dataset())
         self.checkpoints.act_on_signal(self.step, path)
