@@ -17,7 +17,8 @@ import pytest
 
 from workbench import pipeline
 from workbench.cli import main as cli
-from workbench.io import RunDir, RunLock
+from workbench.io import RunDir
+from workbench.locking import RunLock
 
 PARAMS = textwrap.dedent("""\
     x: int = 1  # a number the run writes out
@@ -247,6 +248,15 @@ def test_report_links_every_run_and_renders_notebooks(project):
         page = job.dir / "notebook.html"
         assert page.exists() and '<script src="../../plotly.min.js">' in page.read_text()
     assert (runs / "demo" / "plotly.min.js").stat().st_size > 1_000_000
+
+
+@pytest.mark.parametrize("text, key", [
+    (SPEC.replace("params: {log: LOG}", "params: {log: LOG, x: 1, x: 2}"), "'x'"),
+    (SPEC.replace("  small:", "  small:\n    a: {grid: {x: [6]}}\n  small:"), "'small'"),
+])
+def test_a_key_given_twice_in_a_spec_is_refused_naming_it(project, text, key):
+    with pytest.raises(pipeline.PipelineError, match=f"the key {key} is given twice"):
+        pipeline.load_spec(spec(project, text))
 
 
 def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):

@@ -22,7 +22,8 @@ import xarray as xr
 
 from workbench import LoopConfig
 from workbench.cli import main
-from workbench.io import RunDir, RunLock, latest_checkpoint, load_tensors, open_run
+from workbench.locking import RunLock
+from workbench.io import RunDir, latest_checkpoint, load_tensors, open_run
 from workbench.train import CHANCE_STEPS, Diverged, Trainer, TrainConfig
 
 CFG = LoopConfig(vocab_size=256, d_model=32, n_heads=4, n_kv_heads=2, prelude=1, core=1, coda=1, loops=2,
@@ -339,6 +340,34 @@ def test_a_second_training_on_a_folder_in_use_is_refused_naming_the_first_even_w
     assert first.returncode == 130, err
     model, _ = open_run(run)  # one run, whole: its own config, tokenizer and checkpoint
     assert json.loads(RunDir(run).config.read_text())["train"]["seed"] == 0
+
+
+def test_a_json_key_given_twice_is_refused_naming_it(corpus, tmp_path, capsys):
+    cfg = tmp_path / "model.json"
+    cfg.write_text('{"d_model": 16, "n_heads": 2, "d_model": 32}')
+    assert main(cli_args(tmp_path / "run", corpus, "--steps", 2, "--config", str(cfg))) == 2
+    err = capsys.readouterr().err
+    assert "--config=" in err and "duplicate key 'd_model'" in err, err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="duplicate key 'loops'"):
+        LoopConfig.from_json('{"loops": 2, "loops": 3}')
+
+
+def test_a_folder_holding_someones_metrics_or_results_is_refused_unless_overwrite(corpus, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    mine = {name: f"my own {name}".encode() for name in (RunDir.METRICS, RunDir.RESULTS)}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    assert main(cli_args(out, corpus, "--steps", 2)) == 2
+    err = capsys.readouterr().err
+    assert f"holds {RunDir.METRICS}, {RunDir.RESULTS} that no run of this folder wrote" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == mine  # nothing written, nothing changed
+    tc = TrainConfig(steps=1, batch_size=4, seq_len=32, progress=False)
+    with pytest.raises(FileExistsError, match=f"holds {RunDir.METRICS}"):  # the Trainer alone refuses too
+        Trainer(CFG, tc, byte_data(), out_dir=out)
+    assert main(cli_args(out, corpus, "--steps", 2, "--overwrite")) == 0  # asked: replaced by the run's own
+    assert xr.load_dataset(RunDir(out).metrics, engine="h5netcdf").sizes["step"] == 2
 
 
 # ---- resume refuses another seed, data or config ---------------------------------------------------------------------

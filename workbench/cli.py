@@ -36,13 +36,15 @@ def _json_file(flag: str, path: str | None, what: str) -> dict:
     import json
     from pathlib import Path
 
+    from .config import strict_json
+
     if path is None:
         return {}
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{flag}={path!r} is invalid: no such file (give a JSON file of {what} fields)")
     try:
-        data = json.loads(p.read_text())
+        data = strict_json(p.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{flag}={path!r} is invalid: the file is not valid JSON ({e})") from None
     if not isinstance(data, dict):

@@ -22,6 +22,21 @@ TAPER = ("uniform", "cosine", "reverse")
 
 
 # ---- argument checks, shared by the whole library ------------------------------------------------------
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """Return the object of a JSON mapping's pairs; ValueError naming a key given twice (json keeps the last)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r} (given twice; only one value can hold)")
+        out[k] = v
+    return out
+
+
+def strict_json(text: str) -> Any:
+    """Return the parsed JSON text; ValueError for invalid JSON or an object with a key given twice."""
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
 def from_fields(cls, data: Any):
     """Return cls(**data) for a config dataclass, rejecting a non-mapping and unknown keys by name."""
     if not isinstance(data, dict):
@@ -223,4 +238,4 @@ class LoopConfig:
     @classmethod
     def from_json(cls, text: str) -> "LoopConfig":
         """Return the config encoded in a JSON string from `to_json`."""
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(strict_json(text))

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import strict_json
 # one atomic write for the whole package; it lives in data/ because io reads tokenizers from data (not back)
 from .data.files import atomic_write_bytes  # noqa: E402,F401 (public here too)
 
@@ -163,98 +164,6 @@ TOKENIZER = RunDir.TOKENIZER
 LATEST = RunDir.LATEST
 # what clear_run removes (latest first)
 RUN_FILES = (RunDir.LATEST, RunDir.CONFIG, RunDir.TOKENIZER, RunDir.METRICS, RunDir.RESULTS)
-
-
-# ---- one writer per run folder ------------------------------------------------------------------------------
-class RunBusyError(OSError):
-    """Another process holds the run folder's writer lock (it is training or executing there)."""
-
-
-class RunLock:
-    """The writer lock of a run folder: an exclusive `flock` on `.<name>.lock` beside it.
-
-    Every writer of a run (a training, a pipeline run, `clean`, an `--overwrite`) holds it, so two of them
-    never interleave their files in one folder. The kernel releases a flock when its process dies, so the
-    lock is never stale; the file keeps the holder's PID, start time and what it does, which a refused
-    writer names. Re-entrant within a process (train_run holds it, then the Trainer it makes).
-    """
-
-    _held: dict[str, list] = {}  # lock path -> [open file, depth] of this process
-
-    def __init__(self, run_dir: str | os.PathLike, what: str, wait: bool = False):
-        self.run_dir = Path(run_dir)
-        self.path = RunDir(Path(os.path.abspath(run_dir))).lock
-        self.what, self.wait = what, wait
-        self.holding = False
-
-    def acquire(self) -> RunLock:
-        """Return self after taking the lock (waiting for it if `wait`); RunBusyError naming the holder otherwise."""
-        import fcntl
-
-        if self.holding:
-            return self
-        key = str(self.path)
-        if key in RunLock._held:
-            RunLock._held[key][1] += 1
-            self.holding = True
-            return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip()
-            f.close()
-            raise RunBusyError(f"{str(self.run_dir)!r} is being written by another process "
-                               f"({holder or 'it has not said which'}): wait for it to end or stop it; "
-                               "nothing was changed") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}, since {_dt.datetime.now().isoformat(timespec='seconds')}, {self.what}")
-        f.flush()
-        RunLock._held[key] = [f, 1]
-        self.holding = True
-        return self
-
-    def release(self) -> None:
-        """Give the lock back (the file stays: removing it would race with a process about to lock it)."""
-        if not self.holding:
-            return
-        import fcntl
-
-        self.holding = False
-        entry = RunLock._held[str(self.path)]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del RunLock._held[str(self.path)]
-            fcntl.flock(entry[0], fcntl.LOCK_UN)
-            entry[0].close()
-
-    @staticmethod
-    def busy(run_dir: str | os.PathLike) -> bool:
-        """Return True when some process (this one included) holds the run folder's writer lock now."""
-        import fcntl
-
-        try:
-            fd = os.open(RunDir(Path(os.path.abspath(run_dir))).lock, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new open file: conflicts even with this process's lock
-        except OSError:
-            return True
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def git_commit(path: str | os.PathLike | None = None) -> str:
@@ -380,7 +289,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     """Return the parsed JSON of a file; ValueError naming the file when it is truncated or not JSON."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return strict_json(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a valid {what} (truncated or corrupt?): {e}") from None
 
@@ -484,6 +393,33 @@ def holds_run(path: str | os.PathLike) -> bool:
     p = Path(path)
     return p.is_dir() and (any((p / f).exists() for f in (LATEST, RUN_CONFIG, TOKENIZER))
                            or bool(RunDir(p).checkpoints()))
+
+
+def foreign_files(path: str | os.PathLike) -> list[str]:
+    """Return the names of the files a run would write (metrics.nc, results.nc) that a folder holds without a run.
+
+    A folder with such files but no run of its own (no config.json, tokenizer.json or checkpoint: `holds_run`)
+    holds someone's files of those names; a new run there must not overwrite them unasked.
+    """
+    p = Path(path)
+    if not p.is_dir() or holds_run(p):
+        return []
+    return [name for name in (RunDir.METRICS, RunDir.RESULTS) if (p / name).exists()]
+
+
+def refuse_foreign_files(path: str | os.PathLike, overwrite: bool) -> None:
+    """Return None when a new run may write into the folder; FileExistsError naming foreign files otherwise.
+
+    With `overwrite` the files are removed (the caller asked to replace what is there).
+    """
+    names = foreign_files(path)
+    if names and not overwrite:
+        raise FileExistsError(f"out_dir={str(path)!r} holds {', '.join(names)} that no run of this folder wrote "
+                              f"(no {RunDir.CONFIG}, {RunDir.TOKENIZER} or checkpoint beside them): a run would "
+                              "overwrite them; choose another folder, or pass overwrite=True (`--overwrite`) to "
+                              "replace them; nothing was changed")
+    for name in names:
+        (Path(path) / name).unlink()
 
 
 def clear_run(run_dir: str | os.PathLike, checkpoints_only: bool = False) -> None:

@@ -27,8 +27,9 @@ import torch
 import xarray as xr
 
 from ..config import LoopConfig, check_bool, check_float, check_int, fail
-from ..io import (RUN_CONFIG, TOKENIZER, RunDir, RunLock, clear_run, holds_run, provenance, read_json, save_results,
-                  write_run_config)
+from ..io import (RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance, read_json,
+                  refuse_foreign_files, save_results, write_run_config)
+from ..locking import RunLock
 
 TASK_DEPTHS = {"deduction": (1, 2, 3), "kinship": (2, 3, 4), "iterated": (1, 2, 3, 4), "recall": (0,)}
 
@@ -418,6 +419,8 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
                                       "(overwrite=True, `--overwrite`); nothing was changed")
             elif overwrite and rank == 0:
                 clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
+        elif rank == 0:
+            refuse_foreign_files(out, overwrite)  # someone's metrics.nc / results.nc: never overwritten unasked
         barrier()  # rank 0 changes the folder only after every rank has checked it as it was
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..io import RunDir, RunLock, atomic_write_bytes, read_record
+from ..io import RunDir, atomic_write_bytes, read_record
+from ..locking import RunLock
 from .keys import library_digest
 from .spec import PipelineError, RunJob, _done
 

@@ -14,7 +14,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..io import RunDir, RunLock, read_progress
+from ..io import RunDir, read_progress
+from ..locking import RunLock
 from .execute import work_dir
 from .spec import RunJob
 

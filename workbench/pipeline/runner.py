@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io import RunBusyError, RunDir, RunLock, read_record
+from ..io import RunDir, read_record
+from ..locking import RunBusyError, RunLock
 from .execute import execute_run, make_executor, work_dir
 from .keys import drop_upstream, expand, library_digest
 from .progress import LiveProgress, trained_text

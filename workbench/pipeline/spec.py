@@ -144,13 +144,35 @@ def _folder_name_ok(name: Any) -> bool:
     return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith(".")
 
 
+def _strict_yaml(text: str) -> Any:
+    """Return the parsed YAML text; yaml.YAMLError naming a mapping key given twice (PyYAML keeps the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"the key {key!r} is given twice (the first would be silently dropped)", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)
+
+
 def load_spec(spec: str | os.PathLike, profile: str | None = None) -> Pipeline:
     """Return the Pipeline a YAML spec describes, with `profile`'s overrides applied (PipelineError if invalid)."""
     import yaml
 
     path = resolve_spec(spec)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = _strict_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise PipelineError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):

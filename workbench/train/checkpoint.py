@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from ..config import LoopConfig
-from ..io import (RunDir, RunLock, _load_optim_state, clear_run, holds_run, latest_checkpoint, load_tensors,
-                  mark_failed, read_json, read_manifest, save_checkpoint, save_netcdf)
+from ..io import (RunDir, _load_optim_state, clear_run, holds_run, latest_checkpoint, load_tensors,
+                  mark_failed, read_json, read_manifest, refuse_foreign_files, save_checkpoint, save_netcdf)
+from ..locking import RunLock
 from .config import RESUME_FIELDS, TrainConfig
 from .distributed import all_gather_json
 
@@ -110,6 +111,7 @@ class Checkpointer:
         except OSError as e:
             raise ValueError(f"out_dir={str(out)!r} is not writable: {e}") from e
         self.lock.acquire()  # before anything in the folder is read or changed
+        refuse_foreign_files(out, overwrite)  # someone's metrics.nc / results.nc: never overwritten unasked
         if not resume and holds_run(out) and self.run.latest.exists():
             if not overwrite:
                 raise FileExistsError(f"out_dir={str(out)!r} already holds a run ({RunDir.LATEST}): pass "

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import LoopConfig, check_bool, check_choice, check_float, check_int, fail, from_fields
+from ..config import LoopConfig, check_bool, check_choice, check_float, check_int, fail, from_fields, strict_json
 from ..models.precision import check_precision
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -144,7 +144,7 @@ class TrainConfig:
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
         """Return the config encoded by `to_json`."""
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(strict_json(text))
 
 
 def _f(name: str) -> str:
