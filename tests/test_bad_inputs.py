@@ -235,7 +235,31 @@ def _latest(text):
     return write
 
 
+def _flip_a_byte(path):
+    """Flip one byte in the tensor data (three quarters in): the file still reads as safetensors."""
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _nan_in_an_unhashed_checkpoint(run):
+    """A checkpoint as older code wrote it (no hashes in state.json) whose weights hold a NaN."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = run / "ckpt-00000002"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    name = sorted(weights)[-1]
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(ckpt / "model.safetensors"))
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["xxh3_128"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
 FILES = [
+    ("model.safetensors is damaged: its hash differs",
+     lambda run: _flip_a_byte(run / "ckpt-00000002" / "model.safetensors")),
+    ("holds NaN or infinite values", _nan_in_an_unhashed_checkpoint),
     ("model.safetensors", lambda run: _truncate(run / "ckpt-00000002" / "model.safetensors")),
     ("state.json", lambda run: _truncate(run / "ckpt-00000002" / "state.json")),
     ("latest.json", lambda run: _truncate(run / "latest.json")),

@@ -342,6 +342,19 @@ def test_a_second_training_on_a_folder_in_use_is_refused_naming_the_first_even_w
     assert json.loads(RunDir(run).config.read_text())["train"]["seed"] == 0
 
 
+def test_resuming_from_damaged_weights_names_the_file_instead_of_diverging(tmp_path):
+    tc = TrainConfig(steps=2, batch_size=4, seq_len=32, progress=False)
+    Trainer(CFG, tc, byte_data(), out_dir=tmp_path).run()
+    weights = latest_checkpoint(tmp_path) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) * 3 // 4] ^= 0xFF  # one flipped byte: still a readable safetensors file
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model.safetensors is damaged: its hash differs"):
+        Trainer(CFG, TrainConfig(steps=4, batch_size=4, seq_len=32, progress=False), byte_data(), out_dir=tmp_path,
+                resume=True)
+    assert not RunLock.busy(tmp_path)  # the refused Trainer gave the folder's lock back
+
+
 def test_a_json_key_given_twice_is_refused_naming_it(corpus, tmp_path, capsys):
     cfg = tmp_path / "model.json"
     cfg.write_text('{"d_model": 16, "n_heads": 2, "d_model": 32}')

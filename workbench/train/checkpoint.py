@@ -132,8 +132,9 @@ class Checkpointer:
             return None
         state = read_json(path / RunDir.CKPT_STATE, "checkpoint state")
         self._check_resumable(path, state, cfg, fingerprints)
-        model.load_state_dict(load_tensors(path / RunDir.CKPT_MODEL, device=str(device)))
-        _load_optim_state(opts, load_tensors(path / RunDir.CKPT_OPTIM, device=str(device)), state["optim"])
+        model.load_state_dict(load_tensors(path / RunDir.CKPT_MODEL, device=str(device), state=state))
+        _load_optim_state(opts, load_tensors(path / RunDir.CKPT_OPTIM, device=str(device), state=state),
+                          state["optim"])
         sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         return state
