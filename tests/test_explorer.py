@@ -13,6 +13,7 @@ from workbench import LoopLM
 from workbench.io import save_checkpoint, save_netcdf
 from workbench.probes import geometry, lens, loop_view
 from workbench.probes._common import angular_distance, relative_update
+from workbench.viz.explorer import ExplorerInputError
 
 
 class CharTokenizer:
@@ -389,10 +390,10 @@ def test_bad_input_shows_a_message_not_a_traceback(tmp_path):
     assert "empty" in ex3.message and ex3.view is None and ex3.model is model
     ex3.prompt.value = "now"
     assert ex3.message == "" and ex3.view.sizes["token"] == 3 and ex3.traces == 1
-    # a bad path at construction: the widget shows the message, the figures stay empty
-    ex2 = LoopExplorer(str(tmp_path / "missing"), device="cpu")
-    assert "does not exist" in ex2.message and ex2.view is None
-    assert ex2.figures["predictions"].data[0].x == ()
+    # a bad path at construction raises there, naming it (a widget without a model would only say so on screen)
+    with pytest.raises(ExplorerInputError, match="does not exist") as e:
+        LoopExplorer(str(tmp_path / "missing"), device="cpu")
+    assert "missing" in str(e.value)
 
 
 # ---- finding the model to show (workbench.experiments) ------------------------------------------------------

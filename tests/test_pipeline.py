@@ -6,6 +6,7 @@ notebooks and pipelines run in test_notebooks.py.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -286,6 +287,42 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
     assert runner.returncode == 0, out
     assert value(job.dir) == 3  # the run finished in its folder, whole
     assert cli(["clean", str(s), "--runs", str(project / "runs")]) == 0 and not job.dir.exists()
+
+
+def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project):
+    """SIGINT to the runner's process group (a terminal's Ctrl-C) while a run executes: one line, exit 130."""
+    write_notebook(project / "notebooks" / "waits.ipynb",
+                   BODY.replace("import json, os, time", "import json, os, time\ntime.sleep(600)"))
+    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2]}}\n")
+    jobs = pipeline.expand(pipeline.load_spec(s), project / "runs")
+    runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
+                               "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not any(RunLock.busy(j.dir) and RunDir(j.dir).partial.exists() for j in jobs):
+        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+        time.sleep(0.05)
+    time.sleep(1)  # the kernel is executing its cell
+    os.killpg(runner.pid, signal.SIGINT)
+    out, err = runner.communicate(timeout=120)
+    assert runner.returncode == 130, (out, err)
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    assert "workbench run: interrupted; 0 of 2 runs complete, 2 will resume or start" in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runs", "{file}"], "runs_dir='{file}' is invalid: it is a file"),
+    (["--executor", "dask", "--scheduler", "not an address"], "scheduler='not an address': cannot connect"),
+])
+def test_a_bad_runs_folder_or_scheduler_is_one_line_before_anything_runs(project, capsys, args, message):
+    file = project / "a-file"
+    file.write_text("")
+    s = spec(project)
+    args = [a.replace("{file}", str(file)) for a in args]
+    assert cli(["run", str(s), *args]) == 2
+    err = capsys.readouterr().err
+    assert message.replace("{file}", str(file)) in err and len(err.strip().splitlines()) == 1, err
+    assert executions(project) == 0
 
 
 @pytest.mark.slow

@@ -355,6 +355,14 @@ def test_resuming_from_damaged_weights_names_the_file_instead_of_diverging(tmp_p
     assert not RunLock.busy(tmp_path)  # the refused Trainer gave the folder's lock back
 
 
+def test_resume_of_a_folder_without_a_run_is_refused_instead_of_starting_fresh(corpus, tmp_path, capsys):
+    for out in (tmp_path / "typo", tmp_path):
+        assert main(cli_args(out, corpus, "--steps", 2, "--resume")) == 2
+        err = capsys.readouterr().err
+        assert f"--out='{out}' is invalid: holds no run to resume" in err, err
+    assert not (tmp_path / "typo").exists() and not RunDir(tmp_path).config.exists()
+
+
 def test_a_json_key_given_twice_is_refused_naming_it(corpus, tmp_path, capsys):
     cfg = tmp_path / "model.json"
     cfg.write_text('{"d_model": 16, "n_heads": 2, "d_model": 32}')

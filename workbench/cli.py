@@ -80,6 +80,10 @@ def train(args: argparse.Namespace) -> int:
             train_fields[key] = getattr(args, key)
     if args.resume and args.overwrite:
         fail("--overwrite", True, "cannot be combined with --resume: continue the run or replace it, not both")
+    if args.resume and not holds_run(out):  # a typo in the folder would otherwise start a fresh run quietly
+        why = "no such folder" if not out.exists() else "no config.json, tokenizer.json or checkpoint in it"
+        fail("--out", args.out, f"holds no run to resume ({why}): check the path, or leave out --resume to start "
+             "a run there")
     if not args.resume and not args.overwrite and holds_run(out):
         fail("--out", args.out, "already holds a run (config.json, tokenizer.json or checkpoints): add --resume to "
              "continue it or --overwrite to replace it; nothing was changed")
@@ -220,6 +224,19 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
     except pipeline.PipelineError as e:
         print(f"workbench {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the kernels got it too (a training saves its checkpoint); one line, no traceback
+        if args.cmd != "run" or getattr(args, "debug", False):
+            raise
+        try:
+            rows = [r for r in pipeline.status(args.spec, profile=args.profile, runs_dir=args.runs)
+                    if r["state"] != "stale"]
+            done = sum(r["state"] == "done" for r in rows)
+            counts = f"{done} of {len(rows)} runs complete, {len(rows) - done} will resume or start"
+        except Exception:  # the counts are a courtesy; the interruption is what must be said
+            counts = "the finished runs are kept, the others will resume or start"
+        print(f"workbench run: interrupted; {counts} when `workbench run {args.spec}` is given again",
+              file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -282,7 +282,14 @@ class DaskExecutor:
             n = jobs if jobs > 1 else machine_cores()
             self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
             scheduler = self.cluster.scheduler_address
-        self.client = Client(scheduler, timeout="30s")
+        try:
+            self.client = Client(scheduler, timeout="30s")
+        except (OSError, ValueError, TypeError) as e:  # unreachable (after the timeout) or not an address at all
+            if self.cluster is not None:
+                self.cluster.close()
+            raise PipelineError(f"scheduler={scheduler!r}: cannot connect to a Dask scheduler there "
+                                f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); give an address such as "
+                                "tcp://127.0.0.1:8786, or leave --scheduler out to start a local cluster") from None
         self.threads = threads
         self.shares = self._shares()
 

@@ -15,7 +15,7 @@ from .execute import execute_run, make_executor, work_dir
 from .keys import drop_upstream, expand, library_digest
 from .progress import LiveProgress, trained_text
 from .report import report
-from .spec import Pipeline, PipelineError, RunJob, _done, load_spec, validate
+from .spec import Pipeline, PipelineError, RunJob, _done, check_runs_dir, load_spec, validate
 
 
 @dataclass
@@ -68,6 +68,7 @@ def run(spec: str | os.PathLike, profile: str | None = None, jobs: int = 1, exec
     run (0: locally the cores over the runs executing at once, on Dask each worker's share of its host's cores).
     """
     pipe = load_spec(spec, profile)
+    check_runs_dir(runs_dir)
     jobs_list = expand(pipe, runs_dir)
     validate(pipe, jobs_list)
     ex = make_executor(executor, jobs, scheduler, threads)
@@ -138,7 +139,7 @@ def status(spec: str | os.PathLike, profile: str | None = None, runs_dir: str | 
     """
     pipe = load_spec(spec, profile)
     rows = []
-    jobs = expand(pipe, runs_dir)
+    jobs = expand(pipe, check_runs_dir(runs_dir))
     for job in jobs:
         rec = read_record(job.dir)
         state = rec["status"] if rec else ("partial" if work_dir(job.dir).exists() else "pending")
@@ -164,7 +165,7 @@ def clean(spec: str | os.PathLike, runs_dir: str | os.PathLike = "runs", failed_
     run's writer lock (`io.RunLock`) while it deletes, so no run starts in a folder being removed either.
     """
     pipe = load_spec(spec)
-    root = Path(runs_dir).resolve() / pipe.name
+    root = check_runs_dir(runs_dir).resolve() / pipe.name
     removed: list[Path] = []
     if not root.exists():
         return removed

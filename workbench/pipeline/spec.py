@@ -83,6 +83,14 @@ class RunJob:
 
 
 # ---- spec loading ----------------------------------------------------------------------------------
+def check_runs_dir(runs_dir: str | os.PathLike) -> Path:
+    """Return the runs folder as a Path; PipelineError when the path names something other than a folder."""
+    p = Path(runs_dir)
+    if p.exists() and not p.is_dir():
+        raise PipelineError(f"runs_dir={str(runs_dir)!r} is invalid: it is a file; give a folder (made if missing)")
+    return p
+
+
 def resolve_spec(spec: str | os.PathLike) -> Path:
     """Return the path of a spec given as a file path or a pipeline name under pipelines/."""
     p = Path(spec)

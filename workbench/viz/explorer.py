@@ -235,7 +235,14 @@ class LoopExplorer:
         ])
         self.widget.add_class("wb-explorer")
         self.text = text
-        self._guard(lambda: self.set_model(model, tokenizer))()
+        # a model or path that cannot be opened raises here, where it was given, instead of leaving a widget
+        # without a model that says so only on screen; a prompt it cannot trace (empty) is a message, as later
+        try:
+            self.set_model(model, tokenizer)
+        except ExplorerInputError as e:
+            if self.model is None:
+                raise
+            self._say(str(e), "error")
 
     # ---- display --------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kw):
