@@ -135,8 +135,16 @@ def test_a_reading_hook_sees_what_the_cache_keeps_and_a_replacing_hook_patches()
         # replacing the state after the last loop with the state before it is running one loop fewer
         skip_last = model(x, loops=4, hooks={"state.4": lambda n, x_in, x_out: x_in})
         torch.testing.assert_close(skip_last.logits, model(x, loops=3).logits)
-        with pytest.raises(ValueError, match="hook at core.1.0 returned"):
-            model(x, loops=2, hooks={"core.1.0": lambda n, i, o: o[:, :1]})
+        with pytest.raises(ValueError, match=r"hook 'core\.1\.\*' at core.1.0 returned \(2, 1, 32\)"):
+            model(x, loops=2, hooks={"core.1.*": lambda n, i, o: o[:, :1]})
+        with pytest.raises(ValueError, match=r"hook 'core\.\*' at core.1.0 returned .* torch.float64: .* dtype torch.float32"):
+            model(x, loops=2, hooks={"core.*": lambda n, i, o: o.double()})
+        # a pattern that names no place of the pass (a typo, a loop beyond it) is refused, listing the places
+        for kw, bad in (("cache", "core.3.0"), ("hooks", "cor.*"), ("cache", "state.5")):
+            arg = [bad] if kw == "cache" else {bad: lambda n, i, o: None}
+            with pytest.raises(ValueError, match=rf"{kw} pattern '{bad}' names no place of this pass; its places "
+                                                 r"are: prelude\.0, core\.1\.0, .*state\.2"):
+                model(x, loops=2, **{kw: arg})
     with pytest.raises(ValueError, match="hooks"):
         model(x, loops=2, hooks={"core.*": "not callable"})
 

@@ -297,7 +297,9 @@ def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project):
     jobs = pipeline.expand(pipeline.load_spec(s), project / "runs")
     runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
                                "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+                              start_new_session=True,
+                              # as in a terminal: a suite started in the background inherits SIGINT ignored
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not any(RunLock.busy(j.dir) and RunDir(j.dir).partial.exists() for j in jobs):
         assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()

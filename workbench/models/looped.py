@@ -65,11 +65,23 @@ class Places:
         self.cache: dict[str, torch.Tensor] = {}
         self._memo: dict[str, tuple[bool, tuple[Hook, ...]]] = {}
 
-    def _lookup(self, name: str) -> tuple[bool, tuple[Hook, ...]]:
+    def check(self, names: Sequence[str]) -> None:
+        """Return None when every cache and hook pattern names at least one of the pass's places; else ValueError.
+
+        A pattern with a typo, or naming a loop beyond the pass, would otherwise keep or hook nothing silently.
+        """
+        for kind, pats in (("cache", self.patterns), ("hooks", [p for p, _ in self.hooks])):
+            for p in pats:
+                if not any(fnmatchcase(n, p) for n in names):
+                    shown = ", ".join(names if len(names) <= 12 else [*names[:6], "...", *names[-5:]])
+                    raise ValueError(f"{kind} pattern {p!r} names no place of this pass; its places are: {shown} "
+                                     "(glob patterns, e.g. 'core.*.0' or 'state.*')")
+
+    def _lookup(self, name: str) -> tuple[bool, tuple[tuple[str, Hook], ...]]:
         hit = self._memo.get(name)
         if hit is None:  # glob matching once per name, not once per call
             hit = (any(fnmatchcase(name, p) for p in self.patterns),
-                   tuple(fn for p, fn in self.hooks if fnmatchcase(name, p)))
+                   tuple((p, fn) for p, fn in self.hooks if fnmatchcase(name, p)))
             self._memo[name] = hit
         return hit
 
@@ -77,12 +89,13 @@ class Places:
                  keep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Return the output at place `name` after its hooks, caching it when asked for."""
         want, fns = self._lookup(name)
-        for fn in fns:
+        for pattern, fn in fns:
             y = fn(name, x_in, x_out)
             if y is not None:
-                if not isinstance(y, torch.Tensor) or y.shape != x_out.shape:
-                    raise ValueError(f"hook at {name} returned {getattr(y, 'shape', type(y).__name__)}: "
-                                     f"must be None or a tensor of shape {tuple(x_out.shape)}")
+                if not isinstance(y, torch.Tensor) or y.shape != x_out.shape or y.dtype != x_out.dtype:
+                    got = (f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__)
+                    raise ValueError(f"hook {pattern!r} at {name} returned {got}: must return None or a tensor of "
+                                     f"the output's shape {tuple(x_out.shape)} and dtype {x_out.dtype}")
                 x_out = y
         if want:
             self.cache[name] = x_out if keep is None else keep(x_out)
@@ -449,6 +462,8 @@ class LoopLM(nn.Module):
         if self.timestep is not None and (isinstance(T, bool) or not isinstance(T, int) or T < r):
             raise ValueError(f"horizon={T!r} is invalid: must be an integer >= loops={r}")
         places = Places(cache, hooks) if cache or hooks else None
+        if places is not None:
+            places.check(self.place_names(r) + [f"state.{t}" for t in range(r + 1)])
         if kv is not None and start is not None:
             raise ValueError("start and kv cannot be combined: a cached pass starts from its new tokens")
         if start is None:
