@@ -137,7 +137,8 @@ def test_a_reading_hook_sees_what_the_cache_keeps_and_a_replacing_hook_patches()
         torch.testing.assert_close(skip_last.logits, model(x, loops=3).logits)
         with pytest.raises(ValueError, match=r"hook 'core\.1\.\*' at core.1.0 returned \(2, 1, 32\)"):
             model(x, loops=2, hooks={"core.1.*": lambda n, i, o: o[:, :1]})
-        with pytest.raises(ValueError, match=r"hook 'core\.\*' at core.1.0 returned .* torch.float64: .* dtype torch.float32"):
+        with pytest.raises(ValueError,
+                           match=r"hook 'core\.\*' at core.1.0 returned .* torch.float64: .* dtype torch.float32"):
             model(x, loops=2, hooks={"core.*": lambda n, i, o: o.double()})
         # a pattern that names no place of the pass (a typo, a loop beyond it) is refused, listing the places
         for kw, bad in (("cache", "core.3.0"), ("hooks", "cor.*"), ("cache", "state.5")):

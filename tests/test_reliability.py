@@ -300,8 +300,8 @@ PHASER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig, code, phase", [("SIGTERM", -signal.SIGTERM, "evaluation"), ("SIGINT", 130, "evaluation"),
-                                              ("SIGTERM", -signal.SIGTERM, "checkpoint")])
+@pytest.mark.parametrize("sig, code, phase", [("SIGTERM", -signal.SIGTERM, "evaluation"),
+                                              ("SIGINT", 130, "evaluation"), ("SIGTERM", -signal.SIGTERM, "checkpoint")])
 def test_a_signal_in_the_final_evaluation_or_checkpoint_write_saves_the_checkpoint_and_metrics(sig, code, phase,
                                                                                                corpus, tmp_path):
     script = tmp_path / "phaser.py"

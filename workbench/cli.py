@@ -224,7 +224,7 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
     except pipeline.PipelineError as e:
         print(f"workbench {args.cmd}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the kernels got it too (a training saves its checkpoint); one line, no traceback
+    except KeyboardInterrupt:  # Ctrl-C: the kernels got it too (a training saves its checkpoint); one line
         if args.cmd != "run" or getattr(args, "debug", False):
             raise
         try:

@@ -46,7 +46,9 @@ def interaction(model, tokens: torch.Tensor, loops: int | None = None, *, horizo
     names = [o[0] for o in occ]
     index = {name: j for j, name in enumerate(names)}
     n = len(occ)
-    blocks = ("prelude.*", "core.*", "coda.*")
+    # the parts this model has (a pattern naming no place is refused): e.g. no coda in 2+2x4+0
+    blocks = tuple(f"{part}.*" for part in ("prelude", "core", "coda")
+                   if any(nm.startswith(part + ".") for nm in names))
 
     def run_loopable(tok, hook):
         _, carried = model.run(tok, r, hook=hook)
