@@ -87,6 +87,11 @@ class Checkpointer:
         self.lock = RunLock(self.run.path, "training (Trainer)") if self.writes else None
         self.saved_at = time.monotonic()  # the clock of checkpoint_seconds
 
+    def hold(self) -> None:
+        """Return None once this process holds the folder's writer lock (rank 0 with an out_dir; else nothing)."""
+        if self.lock is not None:
+            self.lock.acquire()
+
     def close(self) -> None:
         """Return None after giving back the folder's writer lock (taken by `prepare`)."""
         if self.lock is not None:
@@ -110,7 +115,7 @@ class Checkpointer:
             probe.unlink()
         except OSError as e:
             raise ValueError(f"out_dir={str(out)!r} is not writable: {e}") from e
-        self.lock.acquire()  # before anything in the folder is read or changed
+        self.hold()  # before anything in the folder is read or changed
         refuse_foreign_files(out, overwrite)  # someone's metrics.nc / results.nc: never overwritten unasked
         if not resume and holds_run(out) and self.run.latest.exists():
             if not overwrite:

@@ -112,10 +112,10 @@ class Trainer:
             self.checkpoints.prepare(resume, overwrite)
             if resume:
                 self._resume()
-            self.train_model = self._for_ranks()
+            self.train_model = self._for_ranks()  # compile acts on the blocks (compiled_blocks), never wraps the model
         except BaseException:
             self.checkpoints.close()
-            raise  # compile acts on the blocks (compiled_blocks), never wraps the model
+            raise
 
     # set-up -----------------------------------------------------------------------------------------------
     def _samplers(self, train_data, val_data) -> tuple[Any, list[torch.Tensor] | None]:
@@ -209,6 +209,7 @@ class Trainer:
         step: no non-finite checkpoint is written, the last finite one stays, and latest.json and
         metrics.nc record the failure.
         """
+        self.checkpoints.hold()  # again, when run() is called a second time
         try:
             models = [m for m in (self.model, self.loop1_reference) if m is not None]
             # the signals are caught through the final evaluation and save too: a signal there saves and
