@@ -225,7 +225,7 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
         print(f"workbench {args.cmd}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the kernels got it too (a training saves its checkpoint); one line
-        if args.cmd != "run" or getattr(args, "debug", False):
+        if args.cmd != "run":
             raise
         try:
             rows = [r for r in pipeline.status(args.spec, profile=args.profile, runs_dir=args.runs)

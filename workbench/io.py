@@ -441,31 +441,24 @@ def holds_run(path: str | os.PathLike) -> bool:
                            or bool(RunDir(p).checkpoints()))
 
 
-def foreign_files(path: str | os.PathLike) -> list[str]:
-    """Return the names of the files a run would write (metrics.nc, results.nc) that a folder holds without a run.
-
-    A folder with such files but no run of its own (no config.json, tokenizer.json or checkpoint: `holds_run`)
-    holds someone's files of those names; a new run there must not overwrite them unasked.
-    """
-    p = Path(path)
-    if not p.is_dir() or holds_run(p):
-        return []
-    return [name for name in (RunDir.METRICS, RunDir.RESULTS) if (p / name).exists()]
-
-
 def refuse_foreign_files(path: str | os.PathLike, overwrite: bool) -> None:
     """Return None when a new run may write into the folder; FileExistsError naming foreign files otherwise.
 
-    With `overwrite` the files are removed (the caller asked to replace what is there).
+    Foreign: files of the names a run writes (metrics.nc, results.nc) in a folder that holds no run of its
+    own (no config.json, tokenizer.json or checkpoint: `holds_run`), i.e. someone's files; a new run must not
+    overwrite them unasked. With `overwrite` they are removed (the caller asked to replace what is there).
     """
-    names = foreign_files(path)
+    p = Path(path)
+    if not p.is_dir() or holds_run(p):
+        return
+    names = [name for name in (RunDir.METRICS, RunDir.RESULTS) if (p / name).exists()]
     if names and not overwrite:
         raise FileExistsError(f"out_dir={str(path)!r} holds {', '.join(names)} that no run of this folder wrote "
                               f"(no {RunDir.CONFIG}, {RunDir.TOKENIZER} or checkpoint beside them): a run would "
                               "overwrite them; choose another folder, or pass overwrite=True (`--overwrite`) to "
                               "replace them; nothing was changed")
     for name in names:
-        (Path(path) / name).unlink()
+        (p / name).unlink()
 
 
 def clear_run(run_dir: str | os.PathLike, checkpoints_only: bool = False) -> None:

@@ -316,6 +316,10 @@ class LoopLM(nn.Module):
             return kv.rope(self.rotary, like)
         return self.rotary(like.shape[1], like.dtype, like.device)
 
+    def block_patterns(self) -> tuple[str, ...]:
+        """Return the glob patterns of every block occurrence of a pass, one per part the model has."""
+        return tuple(f"{part}.*" for part in ("prelude", "core", "coda") if getattr(self.cfg, part))
+
     def place_names(self, loops: int) -> list[str]:
         """Return the names of every block occurrence of a pass with `loops` loops, in call order."""
         c = self.cfg

@@ -18,8 +18,8 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

@@ -53,8 +53,7 @@ def geometry(model, tokens: torch.Tensor, loops: int | None = None, *, horizon: 
 
     with torch.no_grad():
         if isinstance(model, LoopLM):
-            parts = [p for p in ("prelude", "core", "coda") if getattr(model.cfg, p)]  # those this model has
-            tr = model.trace(tokens, R, horizon=T, hooks=dict.fromkeys((f"{p}.*" for p in parts), record))
+            tr = model.trace(tokens, R, horizon=T, hooks=dict.fromkeys(model.block_patterns(), record))
             states = tr.states
             tr.features(r)  # the coda's occurrences read the state after loop r
             if dependent:

@@ -46,9 +46,7 @@ def interaction(model, tokens: torch.Tensor, loops: int | None = None, *, horizo
     names = [o[0] for o in occ]
     index = {name: j for j, name in enumerate(names)}
     n = len(occ)
-    # the parts this model has (a pattern naming no place is refused): e.g. no coda in 2+2x4+0
-    blocks = tuple(f"{part}.*" for part in ("prelude", "core", "coda")
-                   if any(nm.startswith(part + ".") for nm in names))
+    blocks = model.block_patterns() if looplm else ()  # the parts it has: a pattern naming no place is refused
 
     def run_loopable(tok, hook):
         _, carried = model.run(tok, r, hook=hook)
