@@ -26,6 +26,7 @@ to its last `max_seq_len` tokens, with a note saying so.
 
 from __future__ import annotations
 
+import copy
 import html
 import os
 
@@ -626,3 +627,13 @@ class LoopExplorer:
         h = self.figures["heatmap"]
         with h.batch_update():
             h.layout.shapes[0].x0 = h.layout.shapes[0].x1 = r
+        self._keep_state()
+
+    def _keep_state(self) -> None:
+        """Store each figure's current data and layout as its widget state, which a view is first drawn from."""
+        # a batch_update reaches the browser as a one-off message: a view drawn later, or a browser still loading
+        # plotly's widget module when the first draw was sent (a loaded CI run showed an untitled plot), never sees
+        # it. FigureWidget stores its state like this in its own _repr_mimebundle_, which a figure inside a Box
+        # never gets; the view ignores changes to this state, so nothing is drawn twice.
+        for f in self.figures.values():
+            f._widget_data, f._widget_layout = copy.deepcopy(f._data), copy.deepcopy(f._layout_obj._props)
