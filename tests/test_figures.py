@@ -167,6 +167,13 @@ def datasets(model):
                     coords={"loop": [1, 2, 3, 4, 5, 6], "task": ["iterated", "recall"], "depth": np.arange(9),
                             "task_group": ("task", ["reasoning", "knowledge"])})
     out["tasks"] = task_results(ts, ["iterated", "recall"], None, {"iterated": {"rule": "add"}})
+    # an lm-eval step's layout (experiments.lm_eval.lm_eval_run): a text task, two multiple-choice tasks
+    acc = np.array([[np.nan, 0.2, 0.9], [np.nan, 0.4, 0.95], [np.nan, 0.3, 0.9]])
+    out["lm_eval"] = xr.Dataset({"acc": (("loop", "task"), acc), "exact_match_wb": (("loop", "task"), acc - 0.1),
+                                 "bits_per_byte": (("loop", "task"), [[2.1, np.nan, np.nan], [1.9, np.nan, np.nan],
+                                                                      [2.0, np.nan, np.nan]])},
+                                coords={"loop": [1, 2, 4], "task": ["wb_text", "wb_iterated_d1", "wb_recall_d0"]},
+                                attrs={"training_loops": 2})
     out["train"] = xr.Dataset({"train_loss": ("step", 6 - np.log(steps)),
                                "eval_loss": (("eval_step", "eval_loop"), [[5.0, 4.5], [4.0, 3.5]])},
                               coords={"step": steps, "eval_step": [150, 300], "eval_loop": [1, 3]})
@@ -203,6 +210,7 @@ def built(d) -> dict[str, go.Figure]:
         "exit_accuracy": figures.exit_curves(d["exits"], "group_accuracy"),
         "task_accuracy": figures.task_accuracy(d["tasks"], K=K),
         "task_accuracy_beyond": figures.task_accuracy(d["tasks"], K=K, beyond=True),
+        "lm_eval_accuracy": figures.lm_eval_accuracy(d["lm_eval"]),
     }
 
 
@@ -312,3 +320,14 @@ def test_accuracy_table_reads_group_accuracy():
     assert values[0] == [acc[0, 0], acc[3, 0], acc[11, 0]] and values[1] == [0.5, 0.5, 0.5]
     assert accuracy_table(ds.isel(loop=slice(0, 5)))[1] == [1, 2, 3, 4, 5]
     assert accuracy_table(xr.Dataset()) is None
+
+
+def test_lm_eval_accuracy_pairs_each_task_with_the_workbench_exact_match(datasets):
+    fig = figures.lm_eval_accuracy(datasets["lm_eval"])
+    # the text task has no accuracy: two tasks, each solid (lm-eval) and dotted (workbench) in one colour
+    assert [t.name for t in fig.data] == ["wb_iterated_d1 (lm-eval)", "wb_iterated_d1 (workbench exact match)",
+                                          "wb_recall_d0 (lm-eval)", "wb_recall_d0 (workbench exact match)"]
+    assert fig.data[0].line.color == fig.data[1].line.color != fig.data[2].line.color
+    assert fig.data[1].line.dash == "dot" and fig.data[0].line.dash is None
+    assert list(fig.data[2].y) == [0.9, 0.95, 0.9] and tuple(fig.layout.yaxis.range) == (-0.02, 1.02)
+    assert any(s.x0 == 2 for s in fig.layout.shapes)  # K from the Dataset's training_loops

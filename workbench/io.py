@@ -71,6 +71,7 @@ class RunDir:
     NOTEBOOK = "notebook.ipynb"     # a pipeline run's executed notebook
     NOTEBOOK_HTML = "notebook.html"  # ... rendered
     FIGURES = "figures"             # plotly figure JSON (and PNG) folder
+    LM_EVAL_TASKS = "lm_eval_tasks"  # an lm-eval step's local task YAMLs and their JSONL documents
     KERNEL_LOG = "kernel.log"       # a pipeline run's kernel stderr
     EXPERIMENT = "experiment.json"  # older layout: data settings beside model/
     MODEL_DIR = "model"             # older layout: checkpoints and tokenizer in <run>/model/
@@ -111,6 +112,8 @@ class RunDir:
     notebook = property(lambda self: self.path / RunDir.NOTEBOOK, doc="Return the path of notebook.ipynb.")
     notebook_html = property(lambda self: self.path / RunDir.NOTEBOOK_HTML, doc="Return the path of notebook.html.")
     figures = property(lambda self: self.path / RunDir.FIGURES, doc="Return the path of the figures/ folder.")
+    lm_eval_tasks = property(lambda self: self.path / RunDir.LM_EVAL_TASKS,
+                             doc="Return the path of an lm-eval step's lm_eval_tasks/ folder.")
     kernel_log = property(lambda self: self.path / RunDir.KERNEL_LOG, doc="Return the path of kernel.log.")
     experiment = property(lambda self: self.path / RunDir.EXPERIMENT, doc="Return the older layout's experiment.json.")
     model_dir = property(lambda self: self.path / RunDir.MODEL_DIR, doc="Return the older layout's model/ folder.")

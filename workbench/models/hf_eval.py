@@ -6,8 +6,10 @@ with the model's `config.loops` set to it (`LoopLMForCausalLM.looping`), so ever
 the same weights at each r. Tasks are lm-eval task names, or tasks defined in YAML files under
 `include_path` (a local task: a YAML naming `dataset_path: json` and local `data_files`). Each metric
 becomes one variable over (loop, task) (`acc`, `acc_norm`, `bits_per_byte`, ...), its standard error
-`<metric>_stderr` beside it; a metric a task does not report is NaN there. A notebook or pipeline
-step writes the Dataset to results.nc (`io.save_netcdf`, after adding `io.provenance` attrs).
+`<metric>_stderr` beside it; a metric a task does not report is NaN there. The pipeline step
+`experiments.lm_eval.lm_eval_run` (notebook `lm_eval`) writes a run's held-out text and task questions
+as local lm-eval tasks (`experiments.lm_eval.write_local_tasks`), scores them with this sweep and writes
+the scores to results.nc beside the workbench's own evaluation of the same documents.
 
 Needs the `eval` extra (`pip install 'looped-workbench[eval]'`: lm-eval and transformers >= 5.24).
 """
@@ -150,3 +152,4 @@ def lm_eval_sweep(model, tokenizer, tasks: str | Sequence[str], loops: Sequence[
         "num_fewshot": -1 if num_fewshot is None else int(num_fewshot), "seed": seed,
         "lm_eval_version": _version("lm-eval"), "workbench_version": _version("looped-workbench"),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+

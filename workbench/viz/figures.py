@@ -193,6 +193,30 @@ def task_accuracy(ds, K: int | None = None, beyond: bool = False) -> go.Figure:
     return fig
 
 
+def lm_eval_accuracy(ds, K: int | None = None,
+                     title: str = "lm-eval multiple-choice accuracy per loop count, with the workbench's exact match"
+                     ) -> go.Figure:
+    """Return lm-eval's `acc` per task against loop count (solid), the workbench's `exact_match_wb` dotted in its colour.
+
+    `ds` is an `experiments.lm_eval.lm_eval_run` Dataset; tasks without an accuracy (text) are left out.
+    """
+    from plotly.colors import qualitative
+
+    quantity = "accuracy (fraction of questions)"
+    fig = _fig(title, "loops r", quantity, margin_b=110)
+    palette, loops = qualitative.Plotly, ds.loop.values
+    shown = [t for t in ds.task.values if "acc" in ds and np.isfinite(ds.acc.sel(task=t).values).any()]
+    for i, t in enumerate(shown):
+        color = palette[i % len(palette)]
+        fig.add_trace(_line(loops, ds.acc.sel(task=t).values, f"{t} (lm-eval)", quantity, line=dict(color=color)))
+        if "exact_match_wb" in ds and np.isfinite(ds.exact_match_wb.sel(task=t).values).any():
+            fig.add_trace(_line(loops, ds.exact_match_wb.sel(task=t).values, f"{t} (workbench exact match)",
+                                quantity, line=dict(color=color, dash="dot")))
+    fig.update_xaxes(**integer_ticks(loops))
+    fig.update_yaxes(range=[-0.02, 1.02])
+    return mark_horizon(fig, K if K is not None else ds.attrs.get("training_loops"))
+
+
 def loss_with_fit(ds, K: int | None = None, title: str = "Validation loss per loop count, with the test-time law"
                   ) -> go.Figure:
     """Return measured loss per loop count and the fitted L(T) (`loss_fit`): solid where it was fitted, dotted past it.
