@@ -16,10 +16,15 @@ Needs the `eval` extra (`pip install 'looped-workbench[eval]'`: lm-eval and tran
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib.metadata
+import io
+import logging
 import math
 import os
+import sys
+import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +42,42 @@ def _lm_eval():
     except ImportError as e:
         raise ImportError(f"lm_eval_sweep needs lm-eval ({e}): pip install 'looped-workbench[eval]'") from None
     return lm_eval, HFLM, TaskManager
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Hold back lm-eval's and datasets' warnings and progress bars (hundreds of lines in a notebook); errors still show."""
+    import datasets
+
+    loggers = [logging.getLogger(n) for n in ("lm_eval", "datasets")]
+    levels = [g.level for g in loggers]
+    bars = datasets.is_progress_bar_enabled()
+    for g in loggers:
+        g.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+    # lm-eval's request bars are tqdm bars on sys.stderr, and it runs `git describe` in the working folder,
+    # whose "fatal: not a git repository" reaches file descriptor 2 directly: both are held in a file whose
+    # end is shown if the sweep fails
+    held = io.TextIOWrapper(tempfile.TemporaryFile(), errors="replace", write_through=True)
+    saved = os.dup(2)
+    sys.stderr.flush()
+    os.dup2(held.fileno(), 2)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        os.dup2(saved, 2)
+        held.seek(0)
+        sys.stderr.write(held.read()[-4000:])
+        raise
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.close()
+        for g, level in zip(loggers, levels):
+            g.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _number(value) -> float:
@@ -82,7 +123,7 @@ def lm_eval_sweep(model, tokenizer, tasks: str | Sequence[str], loops: Sequence[
                   include_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
                   limit: int | float | None = None, num_fewshot: int | None = None, batch_size: int = 1,
                   bootstrap_iters: int = 1000, seed: int = 0, device: str | None = None,
-                  include_defaults: bool | None = None,
+                  include_defaults: bool | None = None, quiet: bool = True,
                   **evaluate_kwargs) -> xr.Dataset:
     """Return an xarray Dataset of lm-eval scores with dims (loop, task): one `simple_evaluate` per loop count.
 
@@ -92,7 +133,8 @@ def lm_eval_sweep(model, tokenizer, tasks: str | Sequence[str], loops: Sequence[
     include_defaults=True (False: never). loops: loop counts r >= 1.
     limit, num_fewshot, bootstrap_iters (standard errors; 0 skips them) and seed (every lm-eval seed)
     go to `simple_evaluate`, as do `evaluate_kwargs`; batch_size to HFLM. The model runs where it is
-    (`device` moves it first). Attrs: config_json, lm_eval_version, workbench_version, tasks, created.
+    (`device` moves it first). `quiet` holds back lm-eval's warnings and progress bars. Attrs:
+    config_json, lm_eval_version, workbench_version, tasks, created.
     """
     lm_eval, HFLM, TaskManager = _lm_eval()
     names = [tasks] if isinstance(tasks, str) else list(tasks) if isinstance(tasks, Sequence) else None
@@ -121,27 +163,29 @@ def lm_eval_sweep(model, tokenizer, tasks: str | Sequence[str], loops: Sequence[
     hf.eval()
     if include_defaults is not None:
         check_bool("include_defaults", include_defaults)
-    manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
-    # indexing lm-eval's own tasks takes ~30 s: only when a name is not among the local ones (or when asked)
-    if manager is None or include_defaults or (include_defaults is None and not set(names) <= set(manager.all_tasks)):
-        manager = TaskManager(include_path=paths)
-    unknown = [t for t in names if t not in manager.all_tasks]
-    if unknown:
-        fail("tasks", unknown, "names tasks lm-eval does not know" + (f" (nor the YAML files under {paths})" if paths
-                                                                      else " (give include_path for local task YAMLs)"))
-    lm = HFLM(pretrained=hf, tokenizer=tok, backend="causal", batch_size=batch_size,
-              max_length=hf.config.max_position_embeddings)
-    per_loop = []
-    try:
-        for r in rs:
-            with hf.looping(r):
-                res = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                              num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
-                                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                              fewshot_random_seed=seed, log_samples=False, **evaluate_kwargs)
-            per_loop.append(scores(res))
-    finally:
-        hf.train(was_training)
+    check_bool("quiet", quiet)
+    with _quiet() if quiet else contextlib.nullcontext():
+        manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
+        # indexing lm-eval's own tasks takes ~30 s: only when a name is not among the local ones (or when asked)
+        if manager is None or include_defaults or (include_defaults is None and not set(names) <= set(manager.all_tasks)):
+            manager = TaskManager(include_path=paths)
+        unknown = [t for t in names if t not in manager.all_tasks]
+        if unknown:
+            fail("tasks", unknown, "names tasks lm-eval does not know" + (f" (nor the YAML files under {paths})" if paths
+                                                                          else " (give include_path for local task YAMLs)"))
+        lm = HFLM(pretrained=hf, tokenizer=tok, backend="causal", batch_size=batch_size,
+                  max_length=hf.config.max_position_embeddings)
+        per_loop = []
+        try:
+            for r in rs:
+                with hf.looping(r):
+                    res = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                                  num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
+                                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                                  fewshot_random_seed=seed, log_samples=False, **evaluate_kwargs)
+                per_loop.append(scores(res))
+        finally:
+            hf.train(was_training)
     task_names = sorted({t for s in per_loop for t in s})
     variables = sorted({v for s in per_loop for row in s.values() for v in row})
     data = {v: (("loop", "task"), np.array([[s.get(t, {}).get(v, np.nan) for t in task_names] for s in per_loop],
