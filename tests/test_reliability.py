@@ -108,8 +108,9 @@ def test_divergence_at_step_n_keeps_only_finite_checkpoints_and_names_n(tmp_path
     assert ds.sizes["step"] == 3 and "step 3" in ds.attrs["failed"]  # the metrics up to the failure
 
 
-def test_diverged_cli_run_exits_non_zero_and_saves_nothing_non_finite(tmp_path, corpus, capsys):
+def test_diverged_cli_run_exits_non_zero_and_saves_nothing_non_finite(tmp_path, corpus, capsys, monkeypatch):
     """The issue's repro: lr 1e30 without clipping. It used to save NaN weights and exit 0."""
+    monkeypatch.setenv("WORKBENCH_BEYOND_LIMITS", "1")  # lr past its limit (10), on purpose
     tc = tmp_path / "tc.json"
     tc.write_text(json.dumps({"batch_size": 4, "seq_len": 32, "eval_batches": 1, "lr": 1e30, "muon": False,
                               "grad_clip": 0, "checkpoint_every": 1, "keep_checkpoints": 10}))
@@ -123,8 +124,10 @@ def test_diverged_cli_run_exits_non_zero_and_saves_nothing_non_finite(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_diverged_pipeline_step_fails_and_blocks_its_dependants(tmp_path):
+def test_a_diverged_pipeline_step_fails_and_blocks_its_dependants(tmp_path, monkeypatch):
     from workbench import pipeline
+
+    monkeypatch.setenv("WORKBENCH_BEYOND_LIMITS", "1")  # lr past its limit (10), on purpose; kernels inherit it
 
     spec = tmp_path / "div.yaml"
     spec.write_text(textwrap.dedent("""\

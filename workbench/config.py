@@ -3,14 +3,25 @@
 Also the library's argument checks (`fail`, `check_int`, `check_float`, `check_bool`, `check_choice`):
 they live here, in the lowest room, so every module (models included) raises the same message,
 "<field>=<value!r> is invalid: <what is allowed>".
+
+Limits: every size and count has an upper bound, the same on every machine (`LIMITS`, by kind;
+`PARAMETERS` names the parameters of each kind). The checks apply them by the parameter's name, so
+`check_int("max_loops", 100000, 1)` is refused, naming the limit, before any work. The bounds sit far past
+anything trained on a laptop or one GPU and low enough that a slip of three zeros is caught; a researcher
+who means more says so with `WORKBENCH_BEYOND_LIMITS=1` in the environment (pipeline kernels and
+subprocesses inherit it) or inside `with beyond_limits():`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
 import numbers
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -53,9 +64,104 @@ def fail(field: str, value: Any, allowed: str) -> NoReturn:
     raise ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
+# ---- limits: upper bounds on sizes and counts, the same on every machine --------------------------------------
+BEYOND_LIMITS_ENV = "WORKBENCH_BEYOND_LIMITS"
+# kind -> (upper bound, what a parameter of that kind counts)
+LIMITS: dict[str, tuple[float, str]] = {
+    "loops": (4096, "a loop count or depth (K, r, k, a swept or evaluated loop count, a history window, a task depth)"),
+    "layers": (1024, "layers in a prelude, core or coda"),
+    "width": (65536, "a hidden width (d_model, d_ff, an adapter rank)"),
+    "heads": (1024, "attention heads"),
+    "vocab": (1 << 20, "tokens in a vocabulary"),
+    "tokens_per_sequence": (1 << 20, "tokens in a sequence (context, window, generated tokens)"),
+    "streams": (64, "hyper-connection streams"),
+    "batch": (1 << 16, "sequences in a batch"),
+    "count": (1 << 24, "examples, sequences, windows, entities or resamples evaluated"),
+    "steps": (1 << 31, "optimiser steps, or an interval in steps"),
+    "tokens": (10 ** 15, "training tokens"),
+    "flops": (1e27, "training FLOPs"),
+    "rate": (10.0, "a learning rate or a loss weight"),
+    "processes": (1024, "processes training one run"),
+    "seconds": (1e7, "a time in seconds (about 116 days)"),
+    "scale": (1e6, "a clip, margin, spread, temperature or weight with no natural bound"),
+    "parameters": (1e13, "model parameters"),
+    "bytes": (1 << 40, "bytes of text read"),
+    "base": (1e12, "a rotary base (rope_theta)"),
+}
+# parameter name (the last part of a checked field: "TrainConfig.eval_loops[2]" is eval_loops) -> kind
+PARAMETERS: dict[str, str] = {
+    **dict.fromkeys(("loops", "max_loops", "min_loops", "backward_loops", "loop", "horizon", "loop_min", "loop_max",
+                     "eval_loops", "history", "finetune_backward_loops", "k", "interaction_loops", "loop_counts", "depth", "eval_depths",
+                     "supervised_depth", "task_depths", "max_up", "max_down"), "loops"),
+    **dict.fromkeys(("prelude", "core", "coda", "prelude + core + coda"), "layers"),
+    **dict.fromkeys(("d_model", "d_ff", "adapter_rank", "taper_multiple"), "width"),
+    **dict.fromkeys(("n_heads", "n_kv_heads"), "heads"),
+    **dict.fromkeys(("vocab_size", "top_k"), "vocab"),
+    **dict.fromkeys(("seq_len", "max_seq_len", "capacity", "max_new_tokens", "new_tokens", "logits_to_keep"),
+                    "tokens_per_sequence"),
+    "hyper": "streams",
+    **dict.fromkeys(("batch_size", "batch", "eval_batches", "chunk"), "batch"),
+    **dict.fromkeys(("n", "n_sequences", "n_task_examples", "n_texts", "n_windows", "n_batches", "n_boot",
+                     "bootstrap", "bootstrap_iters", "n_entities", "limit", "num_fewshot", "keep_checkpoints",
+                     "distractor_rules", "distractor_facts", "n_train", "n_eval", "n_answers"), "count"),
+    **dict.fromkeys(("steps", "warmup", "eval_every", "checkpoint_every", "finetune_steps", "anneal_steps",
+                     "inverse_steps", "measure_every", "every", "anneal", "train_steps", "gate_steps"), "steps"),
+    "tokens": "tokens",
+    "flops": "flops",
+    **dict.fromkeys(("lr", "finetune_lr", "weight_decay", "loop1_distill"), "rate"),
+    "nproc": "processes",
+    "checkpoint_seconds": "seconds",
+    **dict.fromkeys(("grad_clip", "margin", "beta", "gate_beta", "std", "temperature", "loop_sigma"), "scale"),
+    **dict.fromkeys(("n_once", "n_rec"), "parameters"),
+    "n_bytes": "bytes",
+    "rope_theta": "base",
+}
+_BEYOND = contextvars.ContextVar("beyond_limits", default=False)
+
+
+@contextlib.contextmanager
+def beyond_limits():
+    """Return a context in which the limits of LIMITS are off (an explicit choice to go past them)."""
+    token = _BEYOND.set(True)
+    try:
+        yield
+    finally:
+        _BEYOND.reset(token)
+
+
+def parameter_name(field: str) -> str:
+    """Return the parameter a checked field names: "TrainConfig.eval_loops[2]" -> eval_loops, "--max-loops" -> max_loops."""
+    name = re.sub(r"\[\d+\]$", "", field.rsplit(": ", 1)[-1]).removeprefix("--").replace("-", "_")
+    return name if name in PARAMETERS else name.rsplit(".", 1)[-1]
+
+
+def limit_of(field: str) -> tuple[float, str] | None:
+    """Return (upper bound, what it counts) for a checked field by its parameter name, or None (no limit, or off)."""
+    if _BEYOND.get() or os.environ.get(BEYOND_LIMITS_ENV, "") == "1":
+        return None
+    kind = PARAMETERS.get(parameter_name(field))
+    return LIMITS[kind] if kind else None
+
+
+def check_limit(field: str, value: float, lo: float | None = None, lo_open: bool = False) -> float:
+    """Return value if it is within the limit of field's kind (LIMITS; none for other names), else fail naming it.
+
+    `lo` only words the message ("must be in [lo, limit]"); the lower bound is the caller's to check.
+    """
+    got = limit_of(field)
+    if got is None or not value > got[0]:
+        return value
+    bound, what = got
+    shown = int(bound) if float(bound).is_integer() and bound < 1e18 else bound
+    where = f"<= {shown}" if lo is None else f"in {'(' if lo_open else '['}{lo}, {shown}]"
+    fail(field, value, f"must be {where}: past the workbench's limit on {what}, the same on every "
+                       f"machine (set {BEYOND_LIMITS_ENV}=1, or use config.beyond_limits(), to go past it)")
+
+
 def check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, *,
               allowed: str | None = None) -> int:
-    """Return value as an int if it is an integer (not a bool; numpy integers count) in [lo, hi], else fail."""
+    """Return value as an int if it is an integer (not a bool; numpy integers count) in [lo, hi] and within
+    the limit of its kind (LIMITS), else fail."""
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if ok and ((lo is not None and value < lo) or (hi is not None and value > hi)):
         ok = False
@@ -65,6 +171,7 @@ def check_int(field: str, value: Any, lo: int | None = None, hi: int | None = No
                                                f" >= {lo}" if lo is not None else
                                                f" <= {hi}" if hi is not None else ""))
         fail(field, value, allowed)
+    check_limit(field, int(value), lo)
     return int(value)
 
 
@@ -72,7 +179,7 @@ def check_float(field: str, value: Any, lo: float | None = None, hi: float | Non
                 finite: bool = True, lo_open: bool = False, hi_open: bool = False,
                 allowed: str | None = None) -> float:
     """Return value as a float if it is a real number (not a bool, never NaN; finite unless finite=False)
-    within the bounds (inclusive unless lo_open / hi_open), else fail."""
+    within the bounds (inclusive unless lo_open / hi_open) and the limit of its kind (LIMITS), else fail."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if ok:
         v = float(value)
@@ -92,6 +199,7 @@ def check_float(field: str, value: Any, lo: float | None = None, hi: float | Non
                 what += f" {'<' if hi_open else '<='} {hi}"
             allowed = what
         fail(field, value, allowed)
+    check_limit(field, float(value), lo, lo_open)
     return float(value)
 
 
@@ -170,8 +278,9 @@ class LoopConfig:
         for name, allowed in (("inject", INJECT), ("history_op", HISTORY_OPS),
                               ("timestep", TIMESTEP), ("taper", TAPER)):
             check_choice(f(name), getattr(self, name), allowed)
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            check_float(f(name), getattr(self, name), 0, lo_open=True)
+        check_float(f("rope_theta"), self.rope_theta, 0, lo_open=True)
+        for name in ("norm_eps", "init_std"):  # an epsilon or a weight scale past 1 is a slip, not a choice
+            check_float(f(name), getattr(self, name), 0, 1, lo_open=True)
         check_float(f("taper_start"), self.taper_start, 0, lo_open=True)
         check_float(f("taper_end"), self.taper_end, 0, self.taper_start, lo_open=True,
                     allowed=f"must be > 0 and <= taper_start={self.taper_start}")

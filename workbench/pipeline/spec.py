@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import check_limit
 from ..io import read_record
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: pipelines/ and notebooks/ beside the package
@@ -441,10 +442,29 @@ def _check_names_and_types(jobs: list[RunJob], declared: dict[str, dict], proble
             elif not _type_ok(value, decl[name]["inferred_type_name"]):
                 problems.append(_type_problem(job, name, value, decl[name]))
                 seen.add((job.step, name, repr(value)))  # each bad value once, however many runs share it
+            elif (problem := _limit_problem(job, name, value)) is not None:
+                problems.append(problem)
+                seen.add((job.step, name, repr(value)))
             else:
                 continue
             mistyped.add(job.key)
     return mistyped
+
+
+def _limit_problem(job: RunJob, name: str, value: Any) -> str | None:
+    """Return the message for a number (or list element) past the limit of its kind (config.LIMITS), else None.
+
+    Every notebook's numeric parameters meet the library's limits here, before any run starts; a
+    notebook's own check (or its library call) adds the lower bounds and what depends on other values.
+    """
+    items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+    for i, v in items:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            try:
+                check_limit(name if i is None else f"{name}[{i}]", v)
+            except ValueError as e:
+                return f"step {job.step!r}: parameter {e}"
+    return None
 
 
 def _type_problem(job: RunJob, name: str, value: Any, decl: dict) -> str:
