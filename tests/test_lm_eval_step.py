@@ -45,6 +45,8 @@ def test_the_step_scores_every_task_and_depth_beside_the_workbench(smoke):
     runs, result = smoke
     check_smoke("lm_eval", runs, result)
     train, step = step_dirs(runs)
+    # the training in the kernel locked its working folder; that lock file went with it (the runs' own stay)
+    assert not list(runs.rglob(".*.partial.lock")) and RunDir(train).lock.exists()
     ds = xr.load_dataset(RunDir(step).results, engine="h5netcdf")
     own = xr.load_dataset(RunDir(train).results, engine="h5netcdf")
     # the loop counts of the run's own evaluation, every task and depth it trained at and past them

@@ -19,7 +19,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -381,7 +381,7 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
     `nproc` > 1 (outside torchrun) starts that itself: `nproc` processes on this machine, each with its
     share of this process's torch threads (what a pipeline's training run with an `nproc` parameter does).
     """
-    from ..data.corpus import Tokenizer, tokenize_corpus, train_tokenizer
+    from ..data.corpus import tokenize_corpus
     from ..evals import loop_sweep, loss_headline
     from ..train import Trainer, init_distributed
 
@@ -410,32 +410,9 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
         experiment = {"corpus": corpus, "tasks": list(tasks), "task_ratio": task_ratio,
                       "task_depths": list(task_depths or []), "seed": seed, "data_seed": data_seed,
                       **({"task_options": task_options} if task_options else {})}
-        if holds_run(out):
-            if resume and (out / RUN_CONFIG).is_file():
-                _resume_conflicts(out, cfg, tc, {**experiment, "vocab_request": vocab_size})
-            elif not resume and not overwrite:
-                raise FileExistsError(f"out_dir={str(out_dir)!r} already holds a run (config.json, tokenizer.json or "
-                                      "checkpoints): resume it (resume=True, `workbench train --resume`) or replace it "
-                                      "(overwrite=True, `--overwrite`); nothing was changed")
-            elif overwrite and rank == 0:
-                clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
-        elif rank == 0:
-            refuse_foreign_files(out, overwrite)  # someone's metrics.nc / results.nc: never overwritten unasked
-        barrier()  # rank 0 changes the folder only after every rank has checked it as it was
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
+        _prepare_folder(out, cfg, tc, {**experiment, "vocab_request": vocab_size}, resume, overwrite, rank, barrier)
         text = mixed_corpus(corpus, tasks, task_ratio, task_depths, seed=data_seed, task_options=task_options)
-        tok_path = out / TOKENIZER
-        tok = None
-        if rank == 0 and not (resume and tok_path.exists()):
-            tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=data_seed)
-            tok.save(tok_path)
-        barrier()  # the tokenizer rank 0 kept or made is on disk: the other ranks read that one
-        if tok is None:
-            try:
-                tok = Tokenizer.load(tok_path)
-            except Exception as e:  # the tokenizers library raises its own exception types
-                raise ValueError(f"cannot read the tokenizer at {tok_path} (truncated or corrupt?): {e}") from None
+        tok = _tokenizer(out, text, vocab_size, data_seed, resume, rank, barrier)
         data = tokenize_corpus(text, tok, progress=progress and rank == 0)
         experiment = {**experiment, "vocab_size": tok.vocab_size, "vocab_request": vocab_size}
 
@@ -449,33 +426,8 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
         net = trainer.model.eval()
         K = cfg.loops
         loops = sorted(set(eval_loops or [1, max(1, K // 2), K, 2 * K, 4 * K]) | {K})  # K: final_loss is read there
-        val = torch.cat(trainer.val_batches)
-        sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16, per_sequence=True)  # as it was trained
         run = Run(net, tok, experiment, out, data)
-
-        r_train = float(np.mean(metrics.loops.values))
-        k_train = float(np.mean(metrics.backward_loops.values))
-        pc = net.param_counts()
-        steps = int(metrics.sizes["step"])
-        ds = xr.Dataset(
-            {"loss": sweep["loss"].assign_attrs(long_name="validation loss (nats/token)"),
-             "accuracy": sweep["accuracy"].assign_attrs(long_name="validation next-token accuracy"),
-             "train_loss": ("step", metrics.loss.values, {"long_name": "training loss"}),
-             "lr": ("step", metrics.lr.values),
-             "window_loss": sweep["sequence_loss"].rename(sequence="window").assign_attrs(
-                 long_name="validation loss of each held-out window (nats/token)")},
-            coords={"step": metrics.step.values})
-        if "eval_loss" in metrics:
-            # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
-            ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
-        tokens_seen = steps * tc.batch_size * tc.seq_len * trainer.world  # batch_size is per process
-        at_k = float(sweep["loss"].sel(loop=K))
-        scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
-                   "train_loops": r_train, "backward_loops": k_train, "final_loss": at_k,
-                   "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),
-                   "wall_s": wall, "compile_s": float(metrics.compile_s.sum())}
-        for k, v in scalars.items():
-            ds[k] = ((), float(v))
+        ds = _results(run, trainer, metrics, loops, wall)
         if tasks:
             ts = loop_sweep(net, run.task_examples(), loops, tokenizer=tok, progress=False, bf16=trainer.bf16)
             ds.update(task_results(ts, tasks, task_depths, task_options))
@@ -488,6 +440,80 @@ def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str 
         if rank == 0:
             save_results(ds, out, headline=list(head))
         return run, ds
+
+
+def _prepare_folder(out: Path, cfg: LoopConfig, tc, experiment: dict, resume: bool, overwrite: bool, rank: int,
+                    barrier: Callable[[], None]) -> None:
+    """Return None once the run folder may be written: a run there resumed (same settings) or replaced, or a new one.
+
+    Refuses a held run without resume / overwrite, a resumed run with other settings (naming them) and
+    someone's own files; rank 0 alone changes the folder, after every rank has checked it as it was.
+    """
+    if holds_run(out):
+        if resume and (out / RUN_CONFIG).is_file():
+            _resume_conflicts(out, cfg, tc, experiment)
+        elif not resume and not overwrite:
+            raise FileExistsError(f"out_dir={str(out)!r} already holds a run (config.json, tokenizer.json or "
+                                  "checkpoints): resume it (resume=True, `workbench train --resume`) or replace it "
+                                  "(overwrite=True, `--overwrite`); nothing was changed")
+        elif overwrite and rank == 0:
+            clear_run(out)  # latest.json goes first: an interrupted overwrite never looks like the old run
+    elif rank == 0:
+        refuse_foreign_files(out, overwrite)  # someone's metrics.nc / results.nc: never overwritten unasked
+    barrier()  # rank 0 changes the folder only after every rank has checked it as it was
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+
+
+def _tokenizer(out: Path, text: str, vocab_size: int, data_seed: int, resume: bool, rank: int,
+               barrier: Callable[[], None]):
+    """Return the run's tokenizer: the one saved in the folder when resuming, else one trained by rank 0 and saved."""
+    from ..data.corpus import Tokenizer, train_tokenizer
+
+    tok_path = out / TOKENIZER
+    tok = None
+    if rank == 0 and not (resume and tok_path.exists()):
+        tok = train_tokenizer(text, vocab_size=vocab_size, max_train_bytes=2_000_000, seed=data_seed)
+        tok.save(tok_path)
+    barrier()  # the tokenizer rank 0 kept or made is on disk: the other ranks read that one
+    if tok is None:
+        try:
+            tok = Tokenizer.load(tok_path)
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ValueError(f"cannot read the tokenizer at {tok_path} (truncated or corrupt?): {e}") from None
+    return tok
+
+
+def _results(run: Run, trainer, metrics: xr.Dataset, loops: list[int], wall: float) -> xr.Dataset:
+    """Return a trained run's results: validation loss per loop (each window's too), the curve and its sizes."""
+    from ..evals import loop_sweep
+
+    net, tc, K = run.model, trainer.tc, run.model.cfg.loops
+    val = torch.cat(trainer.val_batches)
+    sweep = loop_sweep(net, val, loops, progress=False, bf16=trainer.bf16, per_sequence=True)  # as it was trained
+    r_train = float(np.mean(metrics.loops.values))
+    k_train = float(np.mean(metrics.backward_loops.values))
+    pc = net.param_counts()
+    steps = int(metrics.sizes["step"])
+    ds = xr.Dataset(
+        {"loss": sweep["loss"].assign_attrs(long_name="validation loss (nats/token)"),
+         "accuracy": sweep["accuracy"].assign_attrs(long_name="validation next-token accuracy"),
+         "train_loss": ("step", metrics.loss.values, {"long_name": "training loss"}),
+         "lr": ("step", metrics.lr.values),
+         "window_loss": sweep["sequence_loss"].rename(sequence="window").assign_attrs(
+             long_name="validation loss of each held-out window (nats/token)")},
+        coords={"step": metrics.step.values})
+    if "eval_loss" in metrics:
+        # its own loop dim: the Trainer's eval loop counts differ from the final sweep's
+        ds["eval_loss"] = metrics.eval_loss.rename(loop="eval_loop")
+    tokens_seen = steps * tc.batch_size * tc.seq_len * trainer.world  # batch_size is per process
+    scalars = {"n_once": pc["once"], "n_rec": pc["rec"], "n_embed": pc["embed"], "tokens": tokens_seen,
+               "train_loops": r_train, "backward_loops": k_train, "final_loss": float(sweep["loss"].sel(loop=K)),
+               "flops_per_token": net.flops_per_token(loops=round(r_train), backward_loops=max(1, round(k_train))),
+               "wall_s": wall, "compile_s": float(metrics.compile_s.sum())}
+    for k, v in scalars.items():
+        ds[k] = ((), float(v))
+    return ds
 
 
 def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: Sequence[str] = (),

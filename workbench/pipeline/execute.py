@@ -147,6 +147,9 @@ def _close_run(work: Path, final: Path, record: dict) -> dict:
     """Return the record after writing it into the run's working folder and renaming that into place."""
     atomic_write_bytes(RunDir(work).record, json.dumps(record, indent=1, default=str).encode())
     os.replace(work, final)
+    # the kernel's training held the working folder's own lock (..<key>.partial.lock); only a runner holding
+    # the final folder's lock, as this one does, ever makes that folder, so its lock file can go
+    RunDir(work).lock.unlink(missing_ok=True)
     return record
 
 
