@@ -44,7 +44,29 @@ def interaction(model, tokens: torch.Tensor, loops: int | None = None, *, horizo
     chunk = check_int("chunk", max(1, 32768 // (B * L)) if chunk is None else chunk, 1)
     occ = occurrences(model, r)
     names = [o[0] for o in occ]
-    index = {name: j for j, name in enumerate(names)}
+    C, den = _interaction_matrix(model, tokens, occ, r, T, chunk)
+    stage, oloop = np.array([o[1] for o in occ]), np.array([o[2] for o in occ])
+    lags = np.arange(r)
+    by_lag, ratio = _by_lag_and_ratio(C, stage, oloop, r)
+    layer = np.array([o[3] for o in occ])
+    coords = {"source": names, "target": names,
+              "source_stage": ("source", stage), "source_loop": ("source", oloop), "source_layer": ("source", layer),
+              "target_stage": ("target", stage), "target_loop": ("target", oloop), "target_layer": ("target", layer),
+              "lag": lags}
+    return xr.Dataset(
+        {"interaction": (("source", "target"), C, {"long_name": "C(source -> target)"}),
+         "interaction_by_lag": ("lag", np.array(by_lag), {"long_name": "mean C over core pairs at this loop lag"}),
+         "update_norm": ("target", den.cpu().double().numpy(), {"long_name": "mean_tokens |u_j|"}),
+         "terminal_to_core": ((), ratio, {"long_name": "mean C(core -> terminal stage) / mean C(core -> later core outside it)"})},
+        coords=coords,
+        attrs=attrs(model, "interaction", loops=r, horizon=T, terminal_to_core=ratio, chunk=chunk))
+
+
+def _interaction_matrix(model, tokens: torch.Tensor, occ: list, r: int, T: int, chunk: int):
+    """Return (C as a [n, n] float64 array, NaN where target <= source; mean_tokens |u_j| as a tensor) over occ."""
+    looplm = isinstance(model, LoopLM)
+    B = tokens.shape[0]
+    index = {o[0]: j for j, o in enumerate(occ)}
     n = len(occ)
     blocks = model.block_patterns() if looplm else ()  # the parts it has: a pattern naming no place is refused
 
@@ -97,14 +119,14 @@ def interaction(model, tokens: torch.Tensor, loops: int | None = None, *, horizo
                     model.run(tokens.repeat(m, 1), r, horizon=T, hooks=hooks, coda=True)
                 else:
                     model.run(None, r, horizon=T, hooks=hooks, coda=True, start=base.start(S - 1).repeat(m))
-        C = (num / den.clamp_min(1e-12).unsqueeze(0)).cpu().double().numpy()
+        return (num / den.clamp_min(1e-12).unsqueeze(0)).cpu().double().numpy(), den
 
-    stage = np.array([o[1] for o in occ])
-    oloop = np.array([o[2] for o in occ])
+
+def _by_lag_and_ratio(C: np.ndarray, stage: np.ndarray, oloop: np.ndarray, r: int) -> tuple[list[float], float]:
+    """Return (mean C over core pairs at each loop lag 0..r-1, the terminal-to-core ratio of SPEC §3)."""
     core = stage == "core"
-    lags = np.arange(r)
     by_lag = []
-    for lag in lags:
+    for lag in range(r):
         sel = core[:, None] & core[None, :] & ((oloop[None, :] - oloop[:, None]) == lag)
         vals = C[sel]
         vals = vals[~np.isnan(vals)]
@@ -120,16 +142,4 @@ def interaction(model, tokens: torch.Tensor, loops: int | None = None, *, horizo
     terminal = (stage == "coda") if (stage == "coda").any() else (core & (oloop == r))
     inner = np.flatnonzero(core & ~terminal)
     # C is NaN where target <= source, so block_mean over (inner, inner) keeps only the later targets
-    ratio = block_mean(inner, np.flatnonzero(terminal)) / block_mean(inner, inner)
-    layer = np.array([o[3] for o in occ])
-    coords = {"source": names, "target": names,
-              "source_stage": ("source", stage), "source_loop": ("source", oloop), "source_layer": ("source", layer),
-              "target_stage": ("target", stage), "target_loop": ("target", oloop), "target_layer": ("target", layer),
-              "lag": lags}
-    return xr.Dataset(
-        {"interaction": (("source", "target"), C, {"long_name": "C(source -> target)"}),
-         "interaction_by_lag": ("lag", np.array(by_lag), {"long_name": "mean C over core pairs at this loop lag"}),
-         "update_norm": ("target", den.cpu().double().numpy(), {"long_name": "mean_tokens |u_j|"}),
-         "terminal_to_core": ((), ratio, {"long_name": "mean C(core -> terminal stage) / mean C(core -> later core outside it)"})},
-        coords=coords,
-        attrs=attrs(model, "interaction", loops=r, horizon=T, terminal_to_core=ratio, chunk=chunk))
+    return by_lag, block_mean(inner, np.flatnonzero(terminal)) / block_mean(inner, inner)
