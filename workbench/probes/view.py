@@ -107,80 +107,103 @@ def loop_view(model, tokens, loops: int | None = None, *, targets=None, top_k: i
     T = ids.shape[1]
     mask = targets != -100
     with torch.inference_mode():
-        if looplm:
-            states = model.trace(ids, loops=R, horizon=T_h).states[:, 0]  # [R+1, T, d]: the prompt is one row
-
-            def read(lo: int, hi: int) -> torch.Tensor:
-                # loops ride in the batch dim: the coda attends within a row, so rows stay independent
-                return model.readout(states[lo:hi])
-        else:
-            _, carried = model.run(ids, R)
-            states = torch.stack([model.state(h)[0] for h in carried])
-
-            def read(lo: int, hi: int) -> torch.Tensor:
-                # a carried state need not stack along the batch, so each loop is read out alone
-                return torch.cat([model.readout(carried[t]) for t in range(lo, hi)])
+        states, read = _states_and_readout(model, ids, R, T_h)
         V = vocab_size(model) or int(read(0, 1).shape[-1])
         k = min(top_k, V)
-        tok_angle = angular_distance(states[:-1], states[1:])  # [R, T]
-        tok_update = relative_update(states[:-1], states[1:])
-        chunk = max(1, _LOGIT_BUDGET // max(1, T * V))  # loops per readout
-        tgt_all = targets.clamp_min(0)
-        lp_prev = None
-        rows = {n: [] for n in ("loss", "kl", "top_p", "top_i", "tp", "rank")}
-        for lo in range(0, R + 1, chunk):
-            hi = min(R + 1, lo + chunk)
-            lp, _, _ = token_stats(read(lo, hi))  # without targets: no argmax we'd not use
-            lt_all = lp.gather(-1, tgt_all.expand(hi - lo, T).unsqueeze(-1))  # log p of the target, [n, T, 1]
-            prev = lp[:-1] if lp_prev is None else torch.cat([lp_prev, lp[:-1]])
-            cur = lp if lp_prev is not None else lp[1:]  # state 0 has no previous loop
-            rows["kl"].append(kl(cur, prev))
-            first = 1 if lo == 0 else 0  # loop 0 (h0) only serves as loop 1's previous
-            rows["loss"].append(-lt_all[first:].squeeze(-1))
-            p, i = lp[first:].topk(k, dim=-1)
-            rows["top_p"].append(p.exp())
-            rows["top_i"].append(i)
-            lt = lt_all[first:]
-            rows["tp"].append(lt.squeeze(-1).exp())
-            rows["rank"].append((lp[first:] > lt).sum(-1) + 1)
-            lp_prev = lp[-1:]
-        cat = {n: torch.cat(v) for n, v in rows.items()}
-        m = mask.expand(R, T)
-        proj, explained = pca_path(states, dims)
-
-        def out(x: torch.Tensor) -> np.ndarray:
-            return x.cpu().numpy()
-
-        tok_loss = cat["loss"].masked_fill(~m, float("nan"))
-        loss = np.array([masked_mean(cat["loss"][t], mask[0]) for t in range(R)])
-        data = {
-            "loss": ("loop", loss, {"long_name": "logit-lens next-token loss, mean over positions with a target",
-                                    "units": "nats"}),
-            "token_loss": (("loop", "token"), out(tok_loss), {"long_name": "logit-lens next-token loss",
-                                                              "units": "nats"}),
-            "kl_prev": ("loop", out(cat["kl"].double().mean(-1)), {"long_name": "KL(p_t || p_t-1)", "units": "nats"}),
-            "token_kl_prev": (("loop", "token"), out(cat["kl"]), {"long_name": "KL(p_t || p_t-1)", "units": "nats"}),
-            "angular_distance": ("loop", out(tok_angle.double().mean(-1)),
-                                 {"long_name": "angular distance a(x(t-1), x(t))", "units": "pi rad"}),
-            "token_angular_distance": (("loop", "token"), out(tok_angle),
-                                       {"long_name": "angular distance a(x(t-1), x(t))", "units": "pi rad"}),
-            "relative_update": ("loop", out(tok_update.double().mean(-1)),
-                                {"long_name": "|x(t) - x(t-1)| / |x(t-1)|"}),
-            "token_relative_update": (("loop", "token"), out(tok_update), {"long_name": "|x(t) - x(t-1)| / |x(t-1)|"}),
-            "top_id": (("loop", "token", "rank"), out(cat["top_i"]), {"long_name": "top-k next-token ids"}),
-            "top_p": (("loop", "token", "rank"), out(cat["top_p"].float()), {"long_name": "top-k probabilities"}),
-            "target_p": (("loop", "token"), out(cat["tp"].masked_fill(~m, float("nan"))),
-                         {"long_name": "probability of the target token"}),
-            "target_rank": (("loop", "token"), out(cat["rank"].masked_fill(~m, 0)),
-                            {"long_name": "rank of the target token (1 = top, 0 = no target)"}),
-            "pca": (("state", "token", "component"), out(proj.float()),
-                    {"long_name": "state after loop t on the top principal components of states 0..r"}),
-            "explained_variance": ("component", explained, {"long_name": "share of variance per component"}),
-        }
+        cat = _per_loop_readout(read, targets, R, T, V, k)
+        data = _view_variables(states, cat, mask, R, dims)
     coords = {"loop": np.arange(1, R + 1), "token": np.arange(T), "rank": np.arange(1, k + 1),
               "state": np.arange(R + 1), "component": np.arange(1, dims + 1),
-              "token_id": ("token", out(ids[0])), "target_id": ("token", out(targets[0]))}
+              "token_id": ("token", _numpy(ids[0])), "target_id": ("token", _numpy(targets[0]))}
     return xr.Dataset(data, coords=coords,
                       attrs=attrs(model, "loop_view", loops=R, horizon=T_h, training_loops=training_loops(model),
                                   top_k=k, tokens_counted=int(mask.sum()),
                                   kl_direction="KL(loop t || loop t-1); loop 1 against h0 read out"))
+
+
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """Return a tensor as a NumPy array on the CPU."""
+    return x.cpu().numpy()
+
+
+def _states_and_readout(model, ids: torch.Tensor, R: int, T_h: int):
+    """Return (states 0..R as [R+1, T, d], read(lo, hi): the logits of states lo..hi-1 read out)."""
+    if isinstance(model, LoopLM):
+        states = model.trace(ids, loops=R, horizon=T_h).states[:, 0]  # [R+1, T, d]: the prompt is one row
+
+        def read(lo: int, hi: int) -> torch.Tensor:
+            # loops ride in the batch dim: the coda attends within a row, so rows stay independent
+            return model.readout(states[lo:hi])
+        return states, read
+    _, carried = model.run(ids, R)
+    states = torch.stack([model.state(h)[0] for h in carried])
+
+    def read_each(lo: int, hi: int) -> torch.Tensor:
+        # a carried state need not stack along the batch, so each loop is read out alone
+        return torch.cat([model.readout(carried[t]) for t in range(lo, hi)])
+    return states, read_each
+
+
+def _per_loop_readout(read, targets: torch.Tensor, R: int, T: int, V: int, k: int) -> dict[str, torch.Tensor]:
+    """Return per loop 1..R and position: loss, KL to the previous loop, top-k, the target's probability and rank.
+
+    States are read out in chunks of loops (a [chunk, T, V] log-probability tensor at a time, within
+    _LOGIT_BUDGET); state 0 (h0) is read only as loop 1's previous distribution.
+    """
+    chunk = max(1, _LOGIT_BUDGET // max(1, T * V))  # loops per readout
+    tgt_all = targets.clamp_min(0)
+    lp_prev = None
+    rows = {n: [] for n in ("loss", "kl", "top_p", "top_i", "tp", "rank")}
+    for lo in range(0, R + 1, chunk):
+        hi = min(R + 1, lo + chunk)
+        lp, _, _ = token_stats(read(lo, hi))  # without targets: no argmax we'd not use
+        lt_all = lp.gather(-1, tgt_all.expand(hi - lo, T).unsqueeze(-1))  # log p of the target, [n, T, 1]
+        prev = lp[:-1] if lp_prev is None else torch.cat([lp_prev, lp[:-1]])
+        cur = lp if lp_prev is not None else lp[1:]  # state 0 has no previous loop
+        rows["kl"].append(kl(cur, prev))
+        first = 1 if lo == 0 else 0  # loop 0 (h0) only serves as loop 1's previous
+        rows["loss"].append(-lt_all[first:].squeeze(-1))
+        p, i = lp[first:].topk(k, dim=-1)
+        rows["top_p"].append(p.exp())
+        rows["top_i"].append(i)
+        lt = lt_all[first:]
+        rows["tp"].append(lt.squeeze(-1).exp())
+        rows["rank"].append((lp[first:] > lt).sum(-1) + 1)
+        lp_prev = lp[-1:]
+    return {n: torch.cat(v) for n, v in rows.items()}
+
+
+def _view_variables(states: torch.Tensor, cat: dict, mask: torch.Tensor, R: int, dims: int) -> dict:
+    """Return loop_view's data variables: per-loop means and per-position values, top-k, target, PCA path."""
+    out = _numpy
+    T = states.shape[1]
+    tok_angle = angular_distance(states[:-1], states[1:])  # [R, T]
+    tok_update = relative_update(states[:-1], states[1:])
+    m = mask.expand(R, T)
+    proj, explained = pca_path(states, dims)
+    tok_loss = cat["loss"].masked_fill(~m, float("nan"))
+    loss = np.array([masked_mean(cat["loss"][t], mask[0]) for t in range(R)])
+    return {
+        "loss": ("loop", loss, {"long_name": "logit-lens next-token loss, mean over positions with a target",
+                                "units": "nats"}),
+        "token_loss": (("loop", "token"), out(tok_loss), {"long_name": "logit-lens next-token loss",
+                                                          "units": "nats"}),
+        "kl_prev": ("loop", out(cat["kl"].double().mean(-1)), {"long_name": "KL(p_t || p_t-1)", "units": "nats"}),
+        "token_kl_prev": (("loop", "token"), out(cat["kl"]), {"long_name": "KL(p_t || p_t-1)", "units": "nats"}),
+        "angular_distance": ("loop", out(tok_angle.double().mean(-1)),
+                             {"long_name": "angular distance a(x(t-1), x(t))", "units": "pi rad"}),
+        "token_angular_distance": (("loop", "token"), out(tok_angle),
+                                   {"long_name": "angular distance a(x(t-1), x(t))", "units": "pi rad"}),
+        "relative_update": ("loop", out(tok_update.double().mean(-1)),
+                            {"long_name": "|x(t) - x(t-1)| / |x(t-1)|"}),
+        "token_relative_update": (("loop", "token"), out(tok_update), {"long_name": "|x(t) - x(t-1)| / |x(t-1)|"}),
+        "top_id": (("loop", "token", "rank"), out(cat["top_i"]), {"long_name": "top-k next-token ids"}),
+        "top_p": (("loop", "token", "rank"), out(cat["top_p"].float()), {"long_name": "top-k probabilities"}),
+        "target_p": (("loop", "token"), out(cat["tp"].masked_fill(~m, float("nan"))),
+                     {"long_name": "probability of the target token"}),
+        "target_rank": (("loop", "token"), out(cat["rank"].masked_fill(~m, 0)),
+                        {"long_name": "rank of the target token (1 = top, 0 = no target)"}),
+        "pca": (("state", "token", "component"), out(proj.float()),
+                {"long_name": "state after loop t on the top principal components of states 0..r"}),
+        "explained_variance": ("component", explained, {"long_name": "share of variance per component"}),
+    }
