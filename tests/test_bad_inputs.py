@@ -175,6 +175,41 @@ def test_pipeline_parameters_are_checked_before_anything_runs(expect, params, tm
     assert not (tmp_path / "runs").exists()
 
 
+# ---- every notebook's parameters: the range each declares in its parameters cell ([1..], [0..1], ...) -------------
+NOTEBOOK_RANGES = [
+    ("parameter n_sequences=0 is out of the range loop_sweep.ipynb declares", "loop_sweep", {"n_sequences": 0}),
+    ("parameter seed=-1 is out of the range loop_sweep.ipynb declares", "loop_sweep", {"seed": -1}),
+    ("parameter seq_len=0 is out of the range geometry.ipynb declares", "geometry", {"seq_len": 0}),
+    ("parameter gate_thresholds[1]=1.5 is out of the range generate.ipynb declares", "generate",
+     {"gate_thresholds": [0.5, 1.5]}),
+    ("parameter batch_size=0 is out of the range lm_eval.ipynb declares", "lm_eval", {"batch_size": 0}),
+    ("parameter measure_every=0 is out of the range lost_gradient.ipynb declares", "lost_gradient",
+     {"measure_every": 0}),
+]
+
+
+@pytest.mark.parametrize("expect, notebook, params", NOTEBOOK_RANGES, ids=[r[0].split(" is ")[0] for r in NOTEBOOK_RANGES])
+def test_every_notebooks_ranges_are_checked_before_anything_runs(expect, notebook, params, tmp_path):
+    from workbench import pipeline
+
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: bad
+        steps:
+          - name: train
+            notebook: train
+            params: {{steps: 3, d_model: 32, n_heads: 2, n_kv_heads: 1, loops: 2, vocab_size: 300, seq_len: 32}}
+          - name: probe
+            notebook: {notebook}
+            each: {{train: checkpoint}}
+            params: {json.dumps(params)}
+        """))
+    with pytest.raises(pipeline.PipelineError) as e:
+        pipeline.run(spec, runs_dir=tmp_path / "runs", report_html=False, log=None)
+    assert "nothing was run" in str(e.value) and f"step 'probe': {expect}" in str(e.value), str(e.value)
+    assert not (tmp_path / "runs").exists()
+
+
 # ---- the model's forward ------------------------------------------------------------------------------------------
 V = 97
 FORWARD = [
@@ -293,7 +328,8 @@ def test_damaged_run_files_are_named(expect, damage, run_folder, tmp_path):
 
 # counted in the README's reliability section
 BAD_INPUTS = {"LoopConfig": len(LOOP_CONFIG), "TrainConfig": len(TRAIN_CONFIG), "CLI train": len(CLI),
-              "pipeline parameters": len(PIPELINE), "model forward": len(FORWARD), "run files": len(FILES)}
+              "pipeline parameters": len(PIPELINE), "notebook ranges": len(NOTEBOOK_RANGES),
+              "model forward": len(FORWARD), "run files": len(FILES)}
 
 
 def test_the_count_is_recorded_in_the_readme():

@@ -442,13 +442,44 @@ def _check_names_and_types(jobs: list[RunJob], declared: dict[str, dict], proble
             elif not _type_ok(value, decl[name]["inferred_type_name"]):
                 problems.append(_type_problem(job, name, value, decl[name]))
                 seen.add((job.step, name, repr(value)))  # each bad value once, however many runs share it
-            elif (problem := _limit_problem(job, name, value)) is not None:
+            elif (problem := _limit_problem(job, name, value) or _range_problem(job, name, value, decl[name])) \
+                    is not None:
                 problems.append(problem)
                 seen.add((job.step, name, repr(value)))
             else:
                 continue
             mistyped.add(job.key)
     return mistyped
+
+
+# a numeric parameter's range, declared once at the end of its help in the notebook's parameters cell:
+# [lo..], [lo..hi], (lo..] (lo itself excluded), [..] (any finite number); for a list, each element's
+_RANGE = re.compile(r"\s([\[(])(-?\d[\d.e+-]*)?\.\.(-?\d[\d.e+-]*)?\]$")
+
+
+def declared_range(help_text: str) -> tuple[float | None, bool, float | None] | None:
+    """Return (lo, lo excluded, hi) of a parameter's help ending in a range marker such as [1..], else None."""
+    m = _RANGE.search(help_text or "")
+    if m is None:
+        return None
+    return (None if m[2] is None else float(m[2]), m[1] == "(", None if m[3] is None else float(m[3]))
+
+
+def _range_problem(job: RunJob, name: str, value: Any, decl: dict) -> str | None:
+    """Return the message for a number (or list element) outside the range its notebook declares, else None."""
+    rng = declared_range(decl.get("help", ""))
+    if rng is None:
+        return None
+    lo, lo_open, hi = rng
+    items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+    for i, v in items:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+            shown = name if i is None else f"{name}[{i}]"
+            return (f"step {job.step!r}: parameter {shown}={v!r} is out of the range {job.notebook.name} declares: "
+                    f"{name}: {decl['inferred_type_name']} = {decl['default']}  # {decl['help']}")
+    return None
 
 
 def _limit_problem(job: RunJob, name: str, value: Any) -> str | None:
