@@ -445,19 +445,8 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
     for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
         ds[f"loop1_{name}"] = check[name]
     if inverse_steps:
-        inverse = dict(sweep, rule="sub")
-        before = depth_sweep(model, tok, depths, **inverse).step_accuracy
-        curriculum(inverse_steps, "sub")
-        after = depth_sweep(model, tok, depths, **inverse).step_accuracy
-        forward = depth_sweep(model, tok, depths, **sweep).step_accuracy.expand_dims(phase=["after_inverse"])
-        ds = ds.drop_vars(["step_accuracy", "phase"]).assign(step_accuracy=xr.concat([ds.step_accuracy, forward],
-                                                                                  "phase"))
-        ds["inverse_step_accuracy"] = xr.concat([before, after], "inverse_phase").assign_coords(
-            inverse_phase=["before", "after"])
+        ds = _inverse_phase(ds, model, llama, tok, depths, sweep, lambda: curriculum(inverse_steps, "sub"), seed)
         ds = ds.drop_vars("train_loss").assign(train_loss=("step", np.concatenate(losses)))
-        again = loop1_check(model, llama, tok, seed=seed)
-        for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
-            ds[f"loop1_after_inverse_{name}"] = again[name]
     acc = ds.step_accuracy.sel(phase="final_only")
     below = [int(d) for d in acc.depth.values if d >= 2 and not acc.sel(depth=d) >= 0.7]
     ds.attrs.update(provenance(model.cfg, seed, base=base, budget=budget, adapter_rank=adapter_rank, steps=steps,
@@ -469,6 +458,28 @@ def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, cod
     save_netcdf(ds, RunDir(out_dir).results)
     return ds
 
+
+
+def _inverse_phase(ds: xr.Dataset, model, llama, tok, depths: list[int], sweep: dict, train_inverse, seed: int
+                   ) -> xr.Dataset:
+    """Return ds with the interference task's results: the inverse rule trained (`train_inverse()`), then measured.
+
+    Adds the forward rule's diagonal again (phase `after_inverse`), `inverse_step_accuracy` (dim
+    inverse_phase: before, after) and the loop-1 check after it (`loop1_after_inverse_*`).
+    """
+    inverse = dict(sweep, rule="sub")
+    before = depth_sweep(model, tok, depths, **inverse).step_accuracy
+    train_inverse()
+    after = depth_sweep(model, tok, depths, **inverse).step_accuracy
+    forward = depth_sweep(model, tok, depths, **sweep).step_accuracy.expand_dims(phase=["after_inverse"])
+    ds = ds.drop_vars(["step_accuracy", "phase"]).assign(step_accuracy=xr.concat([ds.step_accuracy, forward],
+                                                                              "phase"))
+    ds["inverse_step_accuracy"] = xr.concat([before, after], "inverse_phase").assign_coords(
+        inverse_phase=["before", "after"])
+    again = loop1_check(model, llama, tok, seed=seed)
+    for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
+        ds[f"loop1_after_inverse_{name}"] = again[name]
+    return ds
 
 # ---- one experiment, as the notebook runs it ----------------------------------------------------------------------
 def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 10, coda: int = 10,
