@@ -575,21 +575,24 @@ class LoopLM(nn.Module):
                              f"[{B}, {r}] (one per example and loop)")
         pairs = w.dim() == 2
         states = p.states
+        # where the labels are, read back once: a boolean index on the device would wait for it at every loop
+        keep_all = (labels != -100).cpu()
         total, norm = labels.new_zeros((), dtype=torch.float32), 0.0
         for t in range(1, r + 1):
-            lab = labels[:, t - 1]
-            keep = lab != -100
-            wt = w[:, t - 1] * keep.any(1).cpu() if pairs else w[t - 1]
+            keep = keep_all[:, t - 1]
+            wt = w[:, t - 1] * keep.any(1) if pairs else w[t - 1]
             if not (wt != 0).any() or not keep.any():
                 continue
+            # the same positions, in the same order, as indexing by the mask
+            rows, cols = (i.to(labels.device) for i in keep.nonzero(as_tuple=True))
+            lab = labels[:, t - 1][rows, cols]
             # the head only at labelled positions: answers are a few tokens, the vocabulary may be 50k wide
-            logits = F.linear(self.features(states[t], p.places)[keep], self.head_weight)
+            logits = F.linear(self.features(states[t], p.places)[rows, cols], self.head_weight)
             if not pairs:
-                total = total + wt * lm_loss(logits[None], lab[keep][None])
+                total = total + wt * lm_loss(logits[None], lab[None])
                 norm += float(wt)
                 continue
-            ce = F.cross_entropy(logits.float(), lab[keep], reduction="none")
-            rows = keep.nonzero()[:, 0]
+            ce = F.cross_entropy(logits.float(), lab, reduction="none")
             per_pair = torch.zeros(B, device=ce.device).index_add(0, rows, ce)
             count = torch.zeros(B, device=ce.device).index_add(0, rows, torch.ones_like(ce)).clamp(min=1)
             total = total + (wt.to(ce.device) * per_pair / count).sum()
