@@ -275,6 +275,17 @@ def test_slider_reslices_the_dataset_into_every_figure():
         assert f._widget_layout == f._layout_obj._props and len(f._widget_data) == len(f.data), name
     assert "at loop 3" in ex.figures["predictions"]._widget_layout["title"]["text"]
     np.testing.assert_allclose(ex.figures["predictions"]._widget_data[0]["x"], v.sel(loop=3, token=i).top_p)
+    # and when the browser reports a new view (it may have drawn from older state), everything is sent to it
+    sent = []
+    for name, f in ex.figures.items():
+        f._send_update_msg = lambda style, layout, idx, name=name: sent.append((name, style, layout, idx))
+        f._view_count = 1
+    assert [s[0] for s in sent] == list(ex.figures)
+    name, style, layout, idx = sent[0]
+    assert "at loop 3" in layout["title"]["text"] and idx == [0]
+    np.testing.assert_allclose(style["x"][0], v.sel(loop=3, token=i).top_p)
+    ex.figures["predictions"]._view_count = 0  # a view closed: nothing to send
+    assert len(sent) == 4
 
 
 def test_slider_moves_never_trace(monkeypatch):

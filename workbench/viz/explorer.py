@@ -211,6 +211,9 @@ class LoopExplorer:
                                    "and with the KL exit rule (up to max_loops)")
         self.generated = W.HTML()
         self.figures = self._build_figures()
+        for fig in self.figures.values():  # the browser reports each view it draws (see _refresh_new_view)
+            fig._view_count = 0
+            fig.observe(self._refresh_new_view, names="_view_count")
         # stable hooks for the browser test and custom CSS, on a plain box around each figure: a class set on
         # the plotly widget itself was missing from its element in one loaded CI run (its view draws late)
         panels = {name: W.Box([fig]).add_class(f"wb-explorer-{name}") for name, fig in self.figures.items()}
@@ -628,6 +631,20 @@ class LoopExplorer:
         with h.batch_update():
             h.layout.shapes[0].x0 = h.layout.shapes[0].x1 = r
         self._keep_state()
+
+    @staticmethod
+    def _refresh_new_view(change) -> None:
+        """Send a figure's whole current data and layout to its views when the browser reports a new one."""
+        # a view draws from the widget state it holds when it is made; under load the browser may make it before
+        # the latest state has arrived, and plotly's view never redraws for a later state (a loaded CI run showed
+        # blank, untitled plots). A Plotly.update with everything, sent once a view exists, redraws it whole.
+        if (change["new"] or 0) <= (change["old"] or 0):
+            return
+        fig = change["owner"]
+        traces = [t.to_plotly_json() for t in fig.data]
+        props = sorted({k for t in traces for k in t if k not in ("type", "uid")})
+        fig._send_update_msg({k: [t.get(k) for t in traces] for k in props},
+                             fig.layout.to_plotly_json(), list(range(len(traces))))
 
     def _keep_state(self) -> None:
         """Store each figure's current data and layout as its widget state, which a view is first drawn from."""
