@@ -155,12 +155,22 @@ PIPELINE = [
 ]
 
 
-@pytest.mark.parametrize("expect, params", PIPELINE, ids=[p[0] for p in PIPELINE])
-def test_pipeline_parameters_are_checked_before_anything_runs(expect, params, tmp_path):
+def refused_before_running(tmp_path, spec_text: str) -> str:
+    """Return the error of a pipeline spec that must be refused before any run starts (and assert nothing ran)."""
     from workbench import pipeline
 
     spec = tmp_path / "bad.yaml"
-    spec.write_text(textwrap.dedent(f"""\
+    spec.write_text(textwrap.dedent(spec_text))
+    with pytest.raises(pipeline.PipelineError) as e:
+        pipeline.run(spec, runs_dir=tmp_path / "runs", report_html=False, log=None)
+    assert "nothing was run" in str(e.value), str(e.value)
+    assert not (tmp_path / "runs").exists()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("expect, params", PIPELINE, ids=[p[0] for p in PIPELINE])
+def test_pipeline_parameters_are_checked_before_anything_runs(expect, params, tmp_path):
+    msg = refused_before_running(tmp_path, f"""\
         name: bad
         steps:
           - name: train
@@ -168,11 +178,8 @@ def test_pipeline_parameters_are_checked_before_anything_runs(expect, params, tm
             params: {json.dumps({"steps": 3, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "loops": 2,
                                  "vocab_size": 300, "seq_len": 32, "batch_size": 4, **params},
                                 allow_nan=True).replace("NaN", ".nan").replace("Infinity", ".inf")}
-        """))
-    with pytest.raises(pipeline.PipelineError) as e:
-        pipeline.run(spec, runs_dir=tmp_path / "runs", report_html=False, log=None)
-    assert "nothing was run" in str(e.value) and expect in str(e.value), str(e.value)
-    assert not (tmp_path / "runs").exists()
+        """)
+    assert expect in msg, msg
 
 
 # ---- every notebook's parameters: the range each declares in its parameters cell ([1..], [0..1], ...) -------------
@@ -190,10 +197,7 @@ NOTEBOOK_RANGES = [
 
 @pytest.mark.parametrize("expect, notebook, params", NOTEBOOK_RANGES, ids=[r[0].split(" is ")[0] for r in NOTEBOOK_RANGES])
 def test_every_notebooks_ranges_are_checked_before_anything_runs(expect, notebook, params, tmp_path):
-    from workbench import pipeline
-
-    spec = tmp_path / "bad.yaml"
-    spec.write_text(textwrap.dedent(f"""\
+    msg = refused_before_running(tmp_path, f"""\
         name: bad
         steps:
           - name: train
@@ -203,11 +207,8 @@ def test_every_notebooks_ranges_are_checked_before_anything_runs(expect, noteboo
             notebook: {notebook}
             each: {{train: checkpoint}}
             params: {json.dumps(params)}
-        """))
-    with pytest.raises(pipeline.PipelineError) as e:
-        pipeline.run(spec, runs_dir=tmp_path / "runs", report_html=False, log=None)
-    assert "nothing was run" in str(e.value) and f"step 'probe': {expect}" in str(e.value), str(e.value)
-    assert not (tmp_path / "runs").exists()
+        """)
+    assert f"step 'probe': {expect}" in msg, msg
 
 
 # ---- the model's forward ------------------------------------------------------------------------------------------
