@@ -312,6 +312,41 @@ def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project):
     assert "workbench run: interrupted; 0 of 2 runs complete, 2 will resume or start" in err, err
 
 
+@pytest.mark.slow
+def test_sigterm_to_workbench_run_stops_every_process_it_started(project):
+    """SIGTERM to the runner alone (kill PID, a scheduler's preemption): its workers and kernels stop too, one line, 143.
+
+    A kernel runs in a session of its own: before, the runner died and its workers went on executing,
+    even starting the queued runs.
+    """
+    import psutil
+
+    write_notebook(project / "notebooks" / "waits.ipynb",
+                   BODY.replace("import json, os, time", "import json, os, time\ntime.sleep(600)"))
+    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
+    jobs = pipeline.expand(pipeline.load_spec(s), project / "runs")
+    runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
+                               "--quiet", "--jobs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.monotonic() + 120
+    while sum(RunLock.busy(j.dir) and RunDir(j.dir).partial.exists() for j in jobs) < 2:
+        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+        time.sleep(0.05)
+    time.sleep(1)  # the kernels are executing their cells
+    started = psutil.Process(runner.pid).children(recursive=True)
+    assert sum("ipykernel" in " ".join(p.cmdline()) for p in started) == 2
+    runner.send_signal(signal.SIGTERM)
+    out, err = runner.communicate(timeout=120)
+    assert runner.returncode == 143, (out, err)
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    assert "workbench run: terminated; 0 of 3 runs complete, 3 will resume or start" in err, err
+    gone, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    # the two runs cut short wait in their folders to restart; the queued third was never taken
+    assert sorted(RunDir(j.dir).partial.exists() for j in jobs) == [False, True, True]
+    assert not any(j.dir.exists() for j in jobs) and executions(project) == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--runs", "{file}"], "runs_dir='{file}' is invalid: it is a file"),
     (["--executor", "dask", "--scheduler", "not an address"], "scheduler='not an address': cannot connect"),

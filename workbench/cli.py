@@ -194,12 +194,36 @@ def _export_cmd(args: argparse.Namespace) -> int:
         return 2
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached `workbench run`: handled as Ctrl-C is, with exit status 143."""
+
+
+def _forward_sigterm(signum, frame) -> None:
+    """Send SIGTERM on to every process this runner started (workers, kernels), then stop the runner.
+
+    A kernel runs in a session of its own, so a SIGTERM to the runner alone never reached it: the pool's
+    workers went on, finished their notebooks and took queued ones. Each kernel's training saves its
+    checkpoint on SIGTERM (as on Ctrl-C); a run cut short restarts in its folder next time.
+    """
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    raise Terminated()
+
+
 def _pipeline_cmd(args: argparse.Namespace) -> int:
     """Return the exit status of a pipeline command: run, status, report or clean."""
+    import signal
+
     from . import pipeline
 
     try:
         if args.cmd == "run":
+            signal.signal(signal.SIGTERM, _forward_sigterm)
             result = pipeline.run(args.spec, profile=args.profile, jobs=args.jobs, executor=args.executor,
                                   scheduler=args.scheduler, runs_dir=args.runs, progress=not args.quiet,
                                   threads=args.threads)
@@ -224,7 +248,7 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
     except pipeline.PipelineError as e:
         print(f"workbench {args.cmd}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the kernels got it too (a training saves its checkpoint); one line
+    except KeyboardInterrupt as e:  # Ctrl-C (the kernels got it too) or SIGTERM (forwarded): one line
         if args.cmd != "run":
             raise
         try:
@@ -234,9 +258,10 @@ def _pipeline_cmd(args: argparse.Namespace) -> int:
             counts = f"{done} of {len(rows)} runs complete, {len(rows) - done} will resume or start"
         except Exception:  # the counts are a courtesy; the interruption is what must be said
             counts = "the finished runs are kept, the others will resume or start"
-        print(f"workbench run: interrupted; {counts} when `workbench run {args.spec}` is given again",
+        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+        print(f"workbench run: {what}; {counts} when `workbench run {args.spec}` is given again",
               file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
 
 
 def main(argv: list[str] | None = None) -> int:
