@@ -69,17 +69,16 @@ def test_parameters_are_typed_documented_and_parsed(path):
         assert m.group(3) is None or (m.group(2) == "list" and m.group(3)[1:-1] in ("int", "float", "str", "bool")), line
     assert sorted(names) == sorted(declared), f"{path.name}: papermill parsed {sorted(declared)}"
     # every number declares its range once, here, and its default lies in it (the runner checks runs against it)
-    from workbench.pipeline.spec import declared_parameters, declared_range
+    from workbench.pipeline.spec import declared_parameters, declared_range, in_range
 
     for name, d in declared_parameters(path).items():
         if d["inferred_type_name"] not in ("int", "float", "list[int]", "list[float]") or name == "out_dir":
             continue
         rng = declared_range(d["help"])
         assert rng is not None, f"{path.name}: {name}'s help must end with its range ([1..], [0..1], (0..], [..])"
-        lo, lo_open, hi = rng
         default = ast.literal_eval(d["default"])
         for v in default if isinstance(default, list) else [default]:
-            assert (lo is None or v > lo or (v == lo and not lo_open)) and (hi is None or v <= hi), (path.name, name)
+            assert in_range(v, rng), (path.name, name, v, rng)
     if path.stem != "explorer":  # the explorer is interactive and writes nothing
         assert "out_dir" in declared
 

@@ -465,21 +465,27 @@ def declared_range(help_text: str) -> tuple[float | None, bool, float | None] | 
     return (None if m[2] is None else float(m[2]), m[1] == "(", None if m[3] is None else float(m[3]))
 
 
+def in_range(value: float, rng: tuple[float | None, bool, float | None]) -> bool:
+    """Return True if value lies in a declared range (lo, lo excluded, hi) as declared_range gives it."""
+    lo, lo_open, hi = rng
+    return (lo is None or value > lo or (value == lo and not lo_open)) and (hi is None or value <= hi)
+
+
+def _numbers(name: str, value: Any) -> list[tuple[str, float]]:
+    """Return (name, number) for a numeric parameter value, or (name[i], element) for each numeric list element."""
+    items = [(f"{name}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(name, value)]
+    return [(n, v) for n, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
 def _range_problem(job: RunJob, name: str, value: Any, decl: dict) -> str | None:
     """Return the message for a number (or list element) outside the range its notebook declares, else None."""
     rng = declared_range(decl.get("help", ""))
-    if rng is None:
+    bad = [(n, v) for n, v in _numbers(name, value) if rng is not None and not in_range(v, rng)]
+    if not bad:
         return None
-    lo, lo_open, hi = rng
-    items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-    for i, v in items:
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            continue
-        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-            shown = name if i is None else f"{name}[{i}]"
-            return (f"step {job.step!r}: parameter {shown}={v!r} is out of the range {job.notebook.name} declares: "
-                    f"{name}: {decl['inferred_type_name']} = {decl['default']}  # {decl['help']}")
-    return None
+    shown, v = bad[0]
+    return (f"step {job.step!r}: parameter {shown}={v!r} is out of the range {job.notebook.name} declares: "
+            f"{name}: {decl['inferred_type_name']} = {decl['default']}  # {decl['help']}")
 
 
 def _limit_problem(job: RunJob, name: str, value: Any) -> str | None:
@@ -488,13 +494,11 @@ def _limit_problem(job: RunJob, name: str, value: Any) -> str | None:
     Every notebook's numeric parameters meet the library's limits here, before any run starts; a
     notebook's own check (or its library call) adds the lower bounds and what depends on other values.
     """
-    items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-    for i, v in items:
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            try:
-                check_limit(name if i is None else f"{name}[{i}]", v)
-            except ValueError as e:
-                return f"step {job.step!r}: parameter {e}"
+    for shown, v in _numbers(name, value):
+        try:
+            check_limit(shown, v)
+        except ValueError as e:
+            return f"step {job.step!r}: parameter {e}"
     return None
 
 
