@@ -296,6 +296,22 @@ def _html_stamp(nb_bytes: bytes, plotly_rel: str) -> str:
     return f"<!-- workbench-export {_EXPORT_VERSION} plotly={html.escape(plotly_rel)} notebook-sha256={digest} -->"
 
 
+@functools.lru_cache(maxsize=1)
+def _exporter():
+    """Return the one HTMLExporter of this process for notebook.html (notebook.html.j2 over JupyterLab's template).
+
+    One per process, not one per page: a new exporter compiles its ten Jinja templates again, a third of the
+    time a page took (a pipeline renders every run's notebook in one go).
+    """
+    import jinja2
+    from nbconvert import HTMLExporter
+
+    name = "notebook.html.j2"
+    return HTMLExporter(template_name="lab", template_file=f"workbench_{name}",
+                        extra_loaders=[jinja2.DictLoader({f"workbench_{name}": (TEMPLATES / name).read_text()})],
+                        exclude_input_prompt=True, exclude_output_prompt=True)
+
+
 def notebook_html(run_dir: Path, plotly_rel: str) -> Path | None:
     """Return the path of run_dir/notebook.html after (re)writing it from the executed notebook (None without one).
 
@@ -313,17 +329,11 @@ def notebook_html(run_dir: Path, plotly_rel: str) -> Path | None:
         with open(out, "rb") as f:
             if stamp.encode() in f.read(_STAMP_WITHIN):
                 return out
-    import jinja2
     import nbformat
-    from nbconvert import HTMLExporter
 
     from ..viz.figures import PLOTLY_MISSING
 
-    name = "notebook.html.j2"
-    exporter = HTMLExporter(template_name="lab", template_file=f"workbench_{name}",
-                            extra_loaders=[jinja2.DictLoader({f"workbench_{name}": (TEMPLATES / name).read_text()})],
-                            exclude_input_prompt=True, exclude_output_prompt=True)
-    body, _ = exporter.from_notebook_node(
+    body, _ = _exporter().from_notebook_node(
         nbformat.read(nb_path, as_version=4),
         resources={"wb_plotly": plotly_rel, "wb_mark": _EXPORT_MARK,
                    "wb_missing": html.escape(f"{PLOTLY_MISSING} (looked for {plotly_rel})")})
