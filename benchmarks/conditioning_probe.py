@@ -17,10 +17,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from workbench.experiments.runs import train_notebook_args, train_run  # noqa: E402
+from workbench.pipeline.spec import notebook_defaults  # noqa: E402
 
 name, over = sys.argv[1], json.loads(sys.argv[2])
-params = dict(tasks=["recall", "iterated"], task_ratio=0.7, vocab_size=1024, steps=4000, seq_len=128,
-              batch_size=16, eval_loops=[1, 2, 4, 8], inject="none",
+params = dict(notebook_defaults("train"),  # the train notebook's defaults, as the probe ran (lr 0.01, d = 128)
+              tasks=["recall", "iterated"], task_ratio=0.7, vocab_size=1024, steps=4000, seq_len=128, batch_size=16,
+              eval_loops=[1, 2, 4, 8], inject="none",
               task_options={"recall": {"n_entities": 20}, "iterated": {"rule": "add"}})
 params.update(over)
 kw = train_notebook_args(**params)

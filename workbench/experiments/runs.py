@@ -516,48 +516,112 @@ def _results(run: Run, trainer, metrics: xr.Dataset, loops: list[int], wall: flo
     return ds
 
 
-def train_notebook_args(corpus: str = "stdlib", vocab_size: int = 2048, tasks: Sequence[str] = (),
-                        task_ratio: float = 0.2, d_model: int = 128, n_heads: int = 4, n_kv_heads: int = 2,
-                        prelude: int = 1, core: int = 2, coda: int = 1, loops: int = 4, inject: str = "channel",
-                        timestep: str = "none", hyper: int = 1, taper: str = "uniform",
-                        model_overrides: dict | None = None, steps: int = 300, flops: float = 0.0,
-                        batch_size: int = 16, seq_len: int = 128, lr: float = 0.01, backward_loops: int = 0,
-                        loop_sampler: str = "fixed", eval_loops: Sequence[int] | None = None, seed: int = 0,
-                        bf16: str = "auto", compile: str = "auto", nproc: int = 1, out_dir: str = ".",
-                        task_options: dict | None = None, data_seed: int = -1,
-                        task_depths: Sequence[int] | None = None) -> dict:
+# train_run's own arguments among the train notebook's parameters; every other parameter names a LoopConfig or
+# TrainConfig field (LoopConfig first: `loops` is K), found from the dataclasses' fields, so a field gains a
+# notebook parameter by one line in the notebook's parameters cell and reaches no mapping here
+RUN_PARAMETERS = ("corpus", "vocab_size", "tasks", "task_ratio", "task_depths", "task_options", "eval_loops", "seed",
+                  "data_seed", "nproc")
+
+
+def passed(fn: Callable, namespace: dict) -> dict:
+    """Return the entries of namespace (a notebook's globals) that fn takes as keyword arguments.
+
+    A notebook passes its parameters on with `fn(**passed(fn, globals()))`, so each is declared once, in
+    its parameters cell, instead of again in the call.
+    """
+    import inspect
+
+    if hasattr(fn, "notebook_parameters"):  # fn(**params) names what it takes itself
+        names = fn.notebook_parameters()
+    else:
+        sig = inspect.signature(fn).parameters
+        names = [n for n, p in sig.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {n: namespace[n] for n in names if n in namespace}
+
+
+def _train_notebook_parameters() -> tuple[str, ...]:
+    """Return every parameter name train_notebook_args takes (run arguments, then LoopConfig and TrainConfig fields)."""
+    import dataclasses
+
+    from ..train import TrainConfig
+
+    fields = [f.name for cls in (LoopConfig, TrainConfig) for f in dataclasses.fields(cls)]
+    extra = ("model_overrides", "train_overrides", "out_dir")
+    return tuple(dict.fromkeys([*RUN_PARAMETERS, *fields, *extra]))
+
+
+def train_notebook_args(**params) -> dict:
     """Return train_run's keyword arguments (model, train, corpus, ...) from the train notebook's parameters.
 
-    One mapping for the notebook and the pipeline's check: flops > 0 replaces steps (0 keeps steps;
-    below 0 is an error), backward_loops 0 is full BPTT, max_seq_len is max(seq_len, 512), warmup a
-    tenth of the steps up to 20, data_seed -1 is seed. `batch_size` is the global batch: with nproc > 1 processes each trains
-    batch_size / nproc rows, so nproc changes how a run trains, not what. Raises ValueError naming a
-    parameter whose type or range is wrong.
+    One mapping for the notebook and the pipeline's check, read off the config dataclasses: a parameter
+    named like a LoopConfig field goes to the model, one named like a TrainConfig field to training, the
+    rest (`RUN_PARAMETERS`) to train_run; `model_overrides` and `train_overrides` reach any other field.
+    A parameter not given keeps its default there (LoopConfig, TrainConfig, train_run): the notebook's
+    parameters cell holds the notebook's own defaults. Given, these are mapped: flops > 0 replaces steps
+    (0 keeps steps; below 0 is an error), backward_loops 0 is full BPTT, max_seq_len is max(seq_len, 512),
+    warmup a tenth of the steps up to 20, data_seed -1 is seed. `batch_size` is the global batch: with
+    nproc > 1 processes each trains batch_size / nproc rows, so nproc changes how a run trains, not what.
+    Raises ValueError naming a parameter whose name, type or range is wrong.
     """
-    overrides = {} if model_overrides is None else model_overrides
-    if not isinstance(overrides, dict):
-        fail("model_overrides", overrides, "must be a mapping of LoopConfig fields")
-    check_int("seq_len", seq_len, 1)
-    check_int("steps", steps, 1)
-    check_int("backward_loops", backward_loops, 0, allowed="must be an integer >= 0 (0: full BPTT)")
-    check_float("flops", flops, 0, allowed="must be a finite number >= 0 (0: the budget is steps)")
-    check_int("nproc", nproc, 1)
-    check_int("batch_size", batch_size, 1)
-    check_int("data_seed", data_seed, -1, allowed="must be an integer >= 0, or -1 (the same as seed)")
-    if batch_size % nproc:
-        fail("batch_size", batch_size, f"must be a multiple of nproc={nproc} (each process trains batch_size / "
-             "nproc rows)")
-    model = dict(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, prelude=prelude, core=core, coda=coda,
-                 loops=loops, inject=inject, timestep=timestep, hyper=hyper, taper=taper,
-                 max_seq_len=max(seq_len, 512), **overrides)
-    budget = {"flops": flops} if flops > 0 else {"steps": steps}
-    train = dict(batch_size=batch_size // nproc, seq_len=seq_len, lr=lr, loop_sampler=loop_sampler,
-                 backward_loops=backward_loops or None, warmup=min(20, steps // 10), bf16=bf16, compile=compile,
-                 **budget)
-    return dict(model=model, train=train, corpus=corpus, vocab_size=vocab_size, tasks=tasks, task_ratio=task_ratio,
-                task_depths=list(task_depths) if task_depths else None,
-                eval_loops=eval_loops, seed=seed, nproc=nproc, task_options=task_options or None,
-                data_seed=None if data_seed == -1 else data_seed)
+    import dataclasses
+
+    from ..train import TrainConfig
+
+    known = _train_notebook_parameters()
+    for name in params:
+        if name not in known:
+            fail(name, params[name], "is not a parameter of the train notebook (a LoopConfig or TrainConfig field, "
+                 f"or one of {', '.join(RUN_PARAMETERS)}, model_overrides, train_overrides)")
+    params = dict(params)
+    params.pop("out_dir", None)
+    model_fields = {f.name for f in dataclasses.fields(LoopConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {}
+    for name, into in (("model_overrides", model_fields), ("train_overrides", train_fields)):
+        given = params.pop(name, None)
+        given = {} if given is None else given
+        if not isinstance(given, dict):
+            fail(name, given, f"must be a mapping of {'LoopConfig' if into is model_fields else 'TrainConfig'} fields")
+        overrides[name] = given
+    nproc = check_int("nproc", params.get("nproc", 1), 1)
+    for name in ("seq_len", "steps", "batch_size"):
+        if name in params:
+            check_int(name, params[name], 1)
+    if "backward_loops" in params:
+        check_int("backward_loops", params["backward_loops"], 0, allowed="must be an integer >= 0 (0: full BPTT)")
+        params["backward_loops"] = params["backward_loops"] or None
+    if "steps" in params:
+        params.setdefault("warmup", min(20, params["steps"] // 10))
+    if "flops" in params:
+        check_float("flops", params["flops"], 0, allowed="must be a finite number >= 0 (0: the budget is steps)")
+        if params["flops"] > 0:
+            params.pop("steps", None)
+        else:
+            params.pop("flops")
+    if "data_seed" in params:
+        check_int("data_seed", params["data_seed"], -1, allowed="must be an integer >= 0, or -1 (the same as seed)")
+        params["data_seed"] = None if params["data_seed"] == -1 else params["data_seed"]
+    if "batch_size" in params:
+        if params["batch_size"] % nproc:
+            fail("batch_size", params["batch_size"], f"must be a multiple of nproc={nproc} (each process trains "
+                 "batch_size / nproc rows)")
+        params["batch_size"] //= nproc
+    if "seq_len" in params:
+        params.setdefault("max_seq_len", max(params["seq_len"], 512))
+    run = {n: params.pop(n) for n in RUN_PARAMETERS if n in params}
+    # vocab_size and seed are run arguments (the tokenizer sets the model's vocabulary, train_run the trainer's seed)
+    model = {n: v for n, v in params.items() if n in model_fields}
+    train = {n: v for n, v in params.items() if n in train_fields and n not in model_fields}
+    for key in ("task_depths", "task_options"):  # empty in the notebook: each task's default
+        if key in run:
+            run[key] = run[key] or None
+    if run.get("task_depths") is not None:
+        run["task_depths"] = list(run["task_depths"])
+    return dict(model={**model, **overrides["model_overrides"]}, train={**train, **overrides["train_overrides"]},
+                **run)
+
+
+train_notebook_args.notebook_parameters = _train_notebook_parameters  # noqa: E305 (read by `passed`)
 
 
 def check_train_notebook(params: dict) -> None:

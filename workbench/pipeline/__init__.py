@@ -53,4 +53,4 @@ from .progress import LiveProgress, progress_text  # noqa: F401
 from .report import Headline, accuracy_table, headlines, notebook_html, report  # noqa: F401
 from .runner import Result, clean, run, status  # noqa: F401
 from .spec import (NOTEBOOKS_DIR, PIPELINES_DIR, REPO, RESERVED, PipelineError, Pipeline, RunJob, Step,  # noqa: F401
-                   _declared_check, declared_parameters, load_spec, resolve_spec, validate)
+                   _declared_check, declared_parameters, load_spec, notebook_defaults, resolve_spec, validate)

@@ -372,6 +372,18 @@ def _defaults(decl: dict) -> dict:
     return out
 
 
+def notebook_defaults(notebook: str | os.PathLike) -> dict:
+    """Return {parameter: default} of a notebook's parameters cell; a bare name is a notebook of `notebooks/`.
+
+    The notebook's own defaults (the train notebook's are laptop-sized, not LoopConfig's or TrainConfig's),
+    for a script or test that calls the library as the notebook would.
+    """
+    path = Path(notebook)
+    if path.suffix != ".ipynb" and not path.exists():
+        path = NOTEBOOKS_DIR / f"{notebook}.ipynb"
+    return _defaults(declared_parameters(path))
+
+
 def _done(rec: dict | None) -> bool:
     """Return True when a run record (read_record's, None for none) says the run finished successfully."""
     return rec is not None and rec.get("status") == "done"
