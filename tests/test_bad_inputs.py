@@ -230,6 +230,18 @@ FORWARD = [
     ("loops='2'", dict(tokens=[[1, 2]], loops="2")),
     ("backward_loops=5", dict(tokens=[[1, 2]], loops=2, backward_loops=5)),
     ("sequence length 65 exceeds max_seq_len=64", dict(tokens=torch.ones(1, 65, dtype=torch.long))),
+    # named places (issue 29): a pattern naming no place of the pass, a hook that breaks the pass
+    ("cache pattern 'core.3.0' names no place of this pass; its places are: prelude.0, core.1.0",
+     dict(tokens=[[1, 2]], loops=2, cache=["core.3.0"])),
+    ("cache pattern 'state.5' names no place", dict(tokens=[[1, 2]], loops=2, cache=["state.5"])),
+    ("hooks pattern 'cor.*' names no place", dict(tokens=[[1, 2]], loops=2, hooks={"cor.*": lambda n, i, o: None})),
+    ("hook 'core.1.*' at core.1.0 returned (1, 1, 32) torch.float32: must return None or a tensor of the output's "
+     "shape (1, 2, 32)", dict(tokens=[[1, 2]], loops=2, hooks={"core.1.*": lambda n, i, o: o[:, :1]})),
+    ("hook 'core.*' at core.1.0 returned (1, 2, 32) torch.float64", dict(tokens=[[1, 2]], loops=2,
+                                                                      hooks={"core.*": lambda n, i, o: o.double()})),
+    ("hook 'coda.0' at coda.0 returned list", dict(tokens=[[1, 2]], loops=2, hooks={"coda.0": lambda n, i, o: [o]})),
+    ("hooks entry 'core.*': 'not callable' is invalid", dict(tokens=[[1, 2]], hooks={"core.*": "not callable"})),
+    ("hooks entry 3:", dict(tokens=[[1, 2]], hooks={3: lambda n, i, o: None})),
 ]
 
 
