@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_model import cpu_model  # noqa: E402  (same folder)
 from workbench.data.tasks import iterated_examples, scratchpad_examples  # noqa: E402
+from workbench.experiments import recipe as rr  # noqa: E402
 from workbench.experiments import retrofit as rx  # noqa: E402
 from workbench.models import retrofit as rf  # noqa: E402
 from workbench.models.hf import to_hf  # noqa: E402
@@ -91,14 +92,14 @@ def distill_comparison(steps: int, weights=(0.0, 1.0, 5.0, 20.0)) -> None:
 
 
 def recipe_section(out_dir: str) -> None:
-    """Print the re-entry recipe run (experiments.retrofit.recipe_run, tiny base, defaults) and keep its results.nc.
+    """Print the re-entry recipe run (experiments.recipe.recipe_run, tiny base, defaults) and keep its results.nc.
 
     The diagonal accuracy (loop = depth) per depth after per-loop supervision and after annealing to
     final-answer-only grading, the extrapolation depth where it falls below 0.7, greedy answers and
     seconds per answer against the scratchpad baseline (same budget, examples and steps).
     """
     t0 = time.perf_counter()
-    ds = rx.recipe_run(out_dir)
+    ds = rr.recipe_run(out_dir)
     wall = time.perf_counter() - t0
     a = ds.attrs
     print()

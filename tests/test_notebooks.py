@@ -35,9 +35,17 @@ DECLARED = {
     "retrofit": ({"loop", "depth"}, []),
     "generate": ({"point", "step"}, ["mean_loops", "loss", "accuracy", "gate_objective"]),
     "lm_eval": ({"loop", "task"}, ["loss_wb"]),  # a metric is NaN for tasks that do not report it
+    # the recipe's phases, one notebook (retrofit_recipe: its default phase is install)
+    "retrofit_recipe": ({"loop", "depth", "step"}, ["step_accuracy", "train_loss"]),
+    "recipe_anneal": ({"loop", "depth", "approach"}, ["step_accuracy", "answer_accuracy", "seconds_per_answer",
+                                                      "loop1_loss_diff"]),
+    "recipe_scratchpad": ({"approach", "depth", "step"}, ["answer_accuracy", "seconds_per_answer"]),
+    "recipe_inverse": ({"depth", "inverse_phase"}, ["step_accuracy", "inverse_step_accuracy",
+                                                    "loop1_after_inverse_loss_diff"]),
 }
 # (pipeline, step) whose results have another layout than their notebook's default one
-STEP_DECLARED = {("lost_gradient", "lost_gradient"): "lost_gradient_finetune"}
+STEP_DECLARED = {("lost_gradient", "lost_gradient"): "lost_gradient_finetune",
+                 **{("retrofit_recipe", p): f"recipe_{p}" for p in ("anneal", "scratchpad", "inverse")}}
 # notebooks no pipeline runs: their smoke parameters
 STANDALONE = {
     "tour": {"steps": 3, "d_model": 16, "loops": 2, "max_loops": 4},

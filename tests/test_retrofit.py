@@ -17,6 +17,7 @@ from workbench import LoopConfig  # noqa: E402
 from workbench.data.corpus import ByteTokenizer  # noqa: E402
 from workbench.data.tasks import (KNOWLEDGE_FACTS, iterated_examples, knowledge_battery, parse_scratchpad,  # noqa: E402
                                   scratchpad_examples)
+from workbench.experiments import recipe as rr  # noqa: E402
 from workbench.experiments import retrofit as rx  # noqa: E402
 from workbench.io import load_model, save_checkpoint  # noqa: E402
 from workbench.models import retrofit as rf  # noqa: E402
@@ -545,7 +546,7 @@ def test_bad_bases_are_named(tmp_path):
 
 
 def test_recipe_run_trains_the_curriculum_then_final_answers_and_reports_both(tmp_path):
-    ds = rx.recipe_run(tmp_path, loops=3, adapter_rank=4, steps=4, anneal_steps=2, inverse_steps=2, batch_size=4,
+    ds = rr.recipe_run(tmp_path, loops=3, adapter_rank=4, steps=4, anneal_steps=2, inverse_steps=2, batch_size=4,
                        n_train=8, eval_depths=[1, 2, 4], n_eval=2, n_answers=1)
     a = ds.attrs
     # the adapter budget's loop 1 is the frozen base: stages start at depth 2 and loop 1 never moves
@@ -562,7 +563,7 @@ def test_recipe_run_trains_the_curriculum_then_final_answers_and_reports_both(tm
     back = xr.load_dataset(tmp_path / "results.nc", engine="h5netcdf")
     np.testing.assert_array_equal(back.step_accuracy.values, ds.step_accuracy.values)
     with pytest.raises(ValueError, match="loops=1"):
-        rx.recipe_run(tmp_path, loops=1)
+        rr.recipe_run(tmp_path, loops=1)
     model = rf.retrofit(tiny_base(), 1, 2, 1, budget="full", loops=3)
     assert rx.first_depth(model) == 1  # the full budget trains loop 1 too
 
@@ -574,3 +575,65 @@ def test_inverse_examples_step_backwards():
         assert e.steps == tuple(str((x - c * t) % 10) for t in range(1, e.depth + 1)) and e.answer == " " + e.steps[-1]
     assert rx.inverse_examples(3, [1, 4], seed=2) == ex and rx.task_examples(3, [1, 4], 2, "sub") == ex
     assert rx.task_examples(3, [2], 2, "add") == iterated_examples(3, [2], 2)
+
+
+# ---- the recipe in phases (issue 30): each phase a pipeline step that resumes --------------------------------------
+RECIPE = dict(loops=3, adapter_rank=4, steps=4, anneal_steps=2, inverse_steps=2, batch_size=4, n_train=8,
+              eval_depths=[1, 2, 4], n_eval=2, n_answers=1)
+
+
+def test_a_checkpoint_over_a_frozen_base_keeps_the_trainable_tensors_and_the_bases_hash(tmp_path):
+    from safetensors.torch import load_file
+
+    from workbench.io import latest_checkpoint, load_weights, read_json
+
+    tok = ByteTokenizer(128)
+    model = rf.retrofit(tiny_base(), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4)
+    rx.train_retrofit(model, tok, iterated_examples(8, [2, 3]), 2, batch_size=4, progress=False, out_dir=tmp_path)
+    ckpt = latest_checkpoint(tmp_path)
+    saved, state = load_file(str(ckpt / "model.safetensors")), read_json(ckpt / "state.json")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(saved) == trainable and state["frozen"]["count"] == sum(1 for p in model.parameters()
+                                                                       if not p.requires_grad)
+    again = rf.retrofit(tiny_base(), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4)
+    load_weights(again, saved, state, ckpt)  # the same base: the trained tensors come back, the rest is the base
+    for (n, p), q in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(p, q), n
+    other = rf.retrofit(tiny_base(seed=1), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4)
+    with pytest.raises(ValueError, match="was trained over other frozen parameters"):
+        load_weights(other, saved, state, ckpt)
+
+
+def test_an_interrupted_phase_resumes_and_ends_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    whole = rr.recipe_phase(tmp_path / "whole", "install", **RECIPE)
+    real, calls = rr.train_retrofit, []
+
+    def stop_at_stage_3(model, tok, examples, steps, out_dir=None, **kw):
+        calls.append(out_dir.name)
+        if out_dir.name == "stage-3" and calls.count("stage-3") == 1:
+            raise KeyboardInterrupt  # the sitting ends after stage 2 was checkpointed
+        return real(model, tok, examples, steps, out_dir=out_dir, **kw)
+
+    monkeypatch.setattr(rr, "train_retrofit", stop_at_stage_3)
+    with pytest.raises(KeyboardInterrupt):
+        rr.recipe_phase(tmp_path / "cut", "install", **RECIPE)
+    again = rr.recipe_phase(tmp_path / "cut", "install", **RECIPE)
+    assert calls == ["stage-2", "stage-3", "stage-2", "stage-3"]
+    # stage 2's curve comes back from its checkpoint
+    np.testing.assert_array_equal(again.train_loss.values, whole.train_loss.values)
+    np.testing.assert_array_equal(again.step_accuracy.values, whole.step_accuracy.values)
+
+
+def test_phases_chain_from_their_upstream_and_refuse_another_recipes(tmp_path):
+    with pytest.raises(ValueError, match="phase 'anneal' starts from a finished 'install' phase"):
+        rr.recipe_phase(tmp_path / "a", "anneal", **RECIPE)
+    rr.recipe_phase(tmp_path / "install", "install", **RECIPE)
+    with pytest.raises(ValueError, match="holds phase 'install'; phase 'inverse' starts from 'anneal'"):
+        rr.recipe_phase(tmp_path / "inv", "inverse", checkpoint=str(tmp_path / "install"), **RECIPE)
+    with pytest.raises(ValueError, match=r"other recipe settings; differing \(there, here\): \{'lr'"):
+        rr.recipe_phase(tmp_path / "a", "anneal", checkpoint=str(tmp_path / "install"), **{**RECIPE, "lr": 1e-2})
+    with pytest.raises(ValueError, match="phase='tune' is invalid"):
+        rr.recipe_phase(tmp_path / "a", "tune", **RECIPE)
+    ds = rr.recipe_phase(tmp_path / "anneal", "anneal", checkpoint=str(tmp_path / "install"), **RECIPE)
+    assert ds.attrs["phase"] == "anneal" and ds.answer_accuracy.approach.values.tolist() == ["looped"]
+    assert ds.loop1_loss_diff.item() == 0.0  # the adapter budget's loop 1 is the base

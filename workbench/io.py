@@ -270,7 +270,12 @@ def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict
     tmp = RunDir(out).checkpoint_tmp(step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    # a model with frozen parameters (a retrofit's base under the adapter budget) keeps only what trains: the
+    # frozen ones are the base's, rebuilt from it on resume and checked against their recorded hash
+    frozen = frozen_parameters(model)
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in frozen}
+    if frozen:
+        state = {**state, FROZEN_KEY: {"count": len(frozen), "hash": tensors_hash(frozen.items())}}
     save_file(weights, str(tmp / RunDir.CKPT_MODEL))
     tensors, meta = _optim_state(opts)
     save_file(tensors, str(tmp / RunDir.CKPT_OPTIM))
@@ -289,6 +294,48 @@ def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict
     for p in old[:max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+FROZEN_KEY = "frozen"  # state.json's record of the parameters a checkpoint leaves out (count, hash)
+
+
+def frozen_parameters(model) -> dict:
+    """Return {state_dict name: tensor} of the model's parameters that do not train (tied names included)."""
+    return {n: p for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def tensors_hash(named) -> str:
+    """Return the xxh3-128 hex digest of (name, tensor) pairs: names, dtypes, shapes and bytes, in order."""
+    import torch  # here: io is imported by processes that never touch a tensor (a re-run's report)
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name, t in named:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def load_weights(model, tensors: dict, state: dict, path: str | os.PathLike) -> None:
+    """Return None after loading a checkpoint's tensors into the model (frozen parameters checked, not loaded).
+
+    A checkpoint that left frozen parameters out (`state[FROZEN_KEY]`) loads into a model whose frozen
+    parameters hash the same (the same base), else ValueError naming it; other missing tensors are refused.
+    """
+    saved = state.get(FROZEN_KEY)
+    if not saved:
+        model.load_state_dict(tensors)
+        return
+    frozen = frozen_parameters(model)
+    if len(frozen) != saved["count"] or tensors_hash(frozen.items()) != saved["hash"]:
+        raise ValueError(f"checkpoint {path} was trained over other frozen parameters ({saved['count']} recorded, "
+                         f"{len(frozen)} frozen here, or their values differ): load it into the model it was "
+                         "trained from (the same base, budget and split)")
+    result = model.load_state_dict(tensors, strict=False)
+    if set(result.missing_keys) != set(frozen) or result.unexpected_keys:
+        lost = sorted(set(result.missing_keys) - set(frozen))[:5]
+        raise ValueError(f"checkpoint {path} lacks trainable tensors {lost} or has others {result.unexpected_keys[:5]}")
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:

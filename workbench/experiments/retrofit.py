@@ -96,7 +96,8 @@ def task_examples(n: int, depths: Sequence[int], seed: int = 0, rule: str = "add
 # ---- training -----------------------------------------------------------------------------------------------
 def train_retrofit(model: LoopLM, tokenizer, examples: Sequence[Example], steps: int, batch_size: int = 16,
                    lr: float = 1e-3, per_loop: bool = True, anneal: int = 0, align: str = "step", warmup: int = 10,
-                   seed: int = 0, out_dir=None, progress: bool = True, **train_config: Any) -> xr.Dataset:
+                   seed: int = 0, out_dir=None, resume: bool = False, progress: bool = True,
+                   **train_config: Any) -> xr.Dataset:
     """Return the Trainer's metrics Dataset after training the model's trainable parameters on examples.
 
     Per-loop supervision (`per_loop=True`) grades loop t on the state after step t. With align="step"
@@ -104,7 +105,9 @@ def train_retrofit(model: LoopLM, tokenizer, examples: Sequence[Example], steps:
     (K = model.cfg.loops) can be mixed; align="last" grades the last loop on the answer and needs
     every example at depth K. `anneal` batches move the grading to each example's final answer only.
     A loops=1 model (the scratchpad baseline) is graded on its answer. Frozen parameters never reach
-    the optimisers. Extra keyword arguments go to TrainConfig.
+    the optimisers. With `out_dir` the Trainer checkpoints there (only the trainable tensors when some
+    are frozen) and, with `resume=True`, continues from its last checkpoint. Extra keyword arguments go
+    to TrainConfig.
     """
     from ..train import ExampleBatches, Trainer, TrainConfig
 
@@ -125,7 +128,7 @@ def train_retrofit(model: LoopLM, tokenizer, examples: Sequence[Example], steps:
     seq = max(len(tokenizer.encode(ex.prompt)) + len(tokenizer.encode(ex.answer)) for ex in examples)
     tc = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq, lr=lr, warmup=warmup, seed=seed,
                      progress=progress, **train_config)
-    trainer = Trainer(model.cfg, tc, batches, out_dir=out_dir, model=model)
+    trainer = Trainer(model.cfg, tc, batches, out_dir=out_dir, model=model, resume=resume)
     ds = trainer.run()
     model.eval()
     ds.attrs.update(budget_report(model))
@@ -372,114 +375,6 @@ def first_depth(model: LoopLM) -> int:
         p.requires_grad for n, p in model.named_parameters() if n.startswith("core.") and "_adapter." not in n)
     return 2 if frozen_loop1 else 1
 
-
-def recipe_run(out_dir, base: str = "tiny", prelude: int = 1, core: int = 2, coda: int = 1, budget: str = "adapter",
-               loops: int = 4, adapter_rank: int = 32, steps: int = 800, anneal_steps: int = 200,
-               batch_size: int = 32, lr: float = 3e-3, loop1_distill: float = 0.0, n_train: int = 700,
-               eval_depths: Sequence[int] | None = None, n_eval: int = 40, n_answers: int = 20, rule: str = "add",
-               modulus: int = 10, inverse_steps: int = 0, seed: int = 0, progress: bool = False) -> xr.Dataset:
-    """Return the re-entry recipe's results (loop t computes step t), also written to `out_dir/results.nc`.
-
-    Phase 1, per-loop supervision (align="step") with a curriculum over depth: `steps` steps split
-    evenly over stages m = 2..loops, stage m training on depths first..m (first = 2 under the adapter
-    budget, whose loop 1 is the frozen base, else 1). Phase 2, `anneal_steps` steps graded on each
-    example's final answer only (at loop = its depth). Teacher-forced `step_accuracy` (loop = depth)
-    is measured after each phase (dim `phase`: per_loop, final_only) on `eval_depths` (default
-    1..ceil(1.5 loops) + 1, beyond the supervised depth); greedy `answer_accuracy` and
-    `seconds_per_answer` after phase 2 against a scratchpad baseline trained with the same budget,
-    examples and total steps; `loop1_check` against the base. attrs["extrapolation_depth"] is the
-    first depth >= 2 whose final diagonal accuracy is below 0.7 (0 when none is). Each train_retrofit
-    call starts its optimiser afresh (stages and phases continue the weights).
-
-    `inverse_steps` > 0 adds the second task (interference): the installed model then trains the
-    inverse rule (x - c, `inverse_examples`, same curriculum, per-loop) for that many steps, and the
-    forward rule's diagonal is measured again (phase `after_inverse`), with `inverse_step_accuracy`
-    (dim inverse_phase: before, after) and loop1_check after it (`loop1_after_inverse_*`).
-    """
-    K = check_int("loops", loops, 2)
-    check_int("steps", steps, 1)
-    check_int("anneal_steps", anneal_steps, 0)
-    check_int("inverse_steps", inverse_steps, 0)
-    depths = sorted({check_int("eval_depths", d, 1) for d in (eval_depths or range(1, math.ceil(1.5 * K) + 2))})
-    llama, tok = _base_and_tokenizer(base, prelude + core + coda, seed)
-    model = retrofit(llama, prelude, core, coda, budget=budget, loops=K, adapter_rank=adapter_rank, seed=seed)
-    first = first_depth(model)
-    stages = list(range(max(2, first), K + 1))
-    warm = min(10, max(1, steps // 10))
-    common = dict(batch_size=batch_size, lr=lr, seed=seed, progress=progress, loop1_distill=loop1_distill)
-    losses, phases, t0 = [], [], time.perf_counter()
-
-    def curriculum(total: int, task: str) -> None:
-        for i, m in enumerate(stages):  # stage m: depths first..m, an even share of the steps
-            n = total // len(stages) + (1 if i < total % len(stages) else 0)
-            if n:
-                ex = task_examples(n_train, list(range(first, m + 1)), seed + i, task, modulus)
-                losses.append(train_retrofit(model, tok, ex, n, warmup=warm, **common).loss.values)
-
-    curriculum(steps, rule)
-    sweep = dict(n=n_eval, seed=seed + 1, loops=list(range(1, max(depths) + 1)), supervised_depth=K, rule=rule,
-                 modulus=modulus)
-    phases.append(depth_sweep(model, tok, depths, **sweep).step_accuracy)
-    final_examples = iterated_examples(n_train, list(range(first, K + 1)), seed, rule, modulus)
-    if anneal_steps:
-        losses.append(train_retrofit(model, tok, final_examples, anneal_steps, warmup=1, per_loop=False,
-                                     **common).loss.values)
-    train_s = time.perf_counter() - t0
-    final = depth_sweep(model, tok, depths, **sweep)
-    phases.append(final.step_accuracy)
-    ds = final.drop_vars(["step_accuracy"])
-    ds["step_accuracy"] = xr.concat(phases, dim="phase").assign_coords(phase=["per_loop", "final_only"])
-    answers = [answer_sweep(model, tok, depths, n=n_answers, seed=seed + 1, supervised_depth=K, rule=rule,
-                            modulus=modulus)]
-    scratch = retrofit(llama, prelude, core, coda, budget=budget, loops=1, adapter_rank=adapter_rank, bridge=False,
-                       seed=seed)
-    train_retrofit(scratch, tok, scratchpad_examples(final_examples), steps + anneal_steps, batch_size=batch_size,
-                   lr=lr, seed=seed, warmup=warm, progress=progress)
-    answers.append(answer_sweep(scratch, tok, depths, n=n_answers, seed=seed + 1, approach="scratchpad",
-                                supervised_depth=K, rule=rule, modulus=modulus))
-    ans = xr.concat(answers, dim="approach")
-    for name in ("accuracy", "seconds_per_answer", "tokens_per_answer"):
-        ds[f"answer_{name}" if name == "accuracy" else name] = ans[name]
-    ds["train_loss"] = ("step", np.concatenate(losses))
-    check = loop1_check(model, llama, tok, seed=seed)
-    for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
-        ds[f"loop1_{name}"] = check[name]
-    if inverse_steps:
-        ds = _inverse_phase(ds, model, llama, tok, depths, sweep, lambda: curriculum(inverse_steps, "sub"), seed)
-        ds = ds.drop_vars("train_loss").assign(train_loss=("step", np.concatenate(losses)))
-    acc = ds.step_accuracy.sel(phase="final_only")
-    below = [int(d) for d in acc.depth.values if d >= 2 and not acc.sel(depth=d) >= 0.7]
-    ds.attrs.update(provenance(model.cfg, seed, base=base, budget=budget, adapter_rank=adapter_rank, steps=steps,
-                               anneal_steps=anneal_steps, batch_size=batch_size, lr=lr, loop1_distill=loop1_distill,
-                               n_train=n_train, rule=rule, modulus=modulus, supervised_depth=K, first_depth=first,
-                               inverse_steps=inverse_steps,
-                               curriculum=",".join(map(str, stages)), train_s=round(train_s, 2),
-                               extrapolation_depth=below[0] if below else 0, loop1_verdict=check.attrs["verdict"]))
-    save_netcdf(ds, RunDir(out_dir).results)
-    return ds
-
-
-
-def _inverse_phase(ds: xr.Dataset, model, llama, tok, depths: list[int], sweep: dict, train_inverse, seed: int
-                   ) -> xr.Dataset:
-    """Return ds with the interference task's results: the inverse rule trained (`train_inverse()`), then measured.
-
-    Adds the forward rule's diagonal again (phase `after_inverse`), `inverse_step_accuracy` (dim
-    inverse_phase: before, after) and the loop-1 check after it (`loop1_after_inverse_*`).
-    """
-    inverse = dict(sweep, rule="sub")
-    before = depth_sweep(model, tok, depths, **inverse).step_accuracy
-    train_inverse()
-    after = depth_sweep(model, tok, depths, **inverse).step_accuracy
-    forward = depth_sweep(model, tok, depths, **sweep).step_accuracy.expand_dims(phase=["after_inverse"])
-    ds = ds.drop_vars(["step_accuracy", "phase"]).assign(step_accuracy=xr.concat([ds.step_accuracy, forward],
-                                                                              "phase"))
-    ds["inverse_step_accuracy"] = xr.concat([before, after], "inverse_phase").assign_coords(
-        inverse_phase=["before", "after"])
-    again = loop1_check(model, llama, tok, seed=seed)
-    for name in ("loss_diff", "loss_diff_lo", "loss_diff_hi", "knowledge_diff", "non_inferior"):
-        ds[f"loop1_after_inverse_{name}"] = again[name]
-    return ds
 
 # ---- one experiment, as the notebook runs it ----------------------------------------------------------------------
 def retrofit_run(out_dir, base: str = "smollm2", prelude: int = 10, core: int = 10, coda: int = 10,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..config import LoopConfig
-from ..io import (RunDir, _load_optim_state, clear_run, holds_run, latest_checkpoint, load_tensors,
+from ..io import (RunDir, _load_optim_state, clear_run, holds_run, latest_checkpoint, load_tensors, load_weights,
                   mark_failed, read_json, read_manifest, refuse_foreign_files, save_checkpoint, save_netcdf)
 from ..locking import RunLock
 from .config import RESUME_FIELDS, TrainConfig
@@ -137,7 +137,7 @@ class Checkpointer:
             return None
         state = read_json(path / RunDir.CKPT_STATE, "checkpoint state")
         self._check_resumable(path, state, cfg, fingerprints)
-        model.load_state_dict(load_tensors(path / RunDir.CKPT_MODEL, device=str(device), state=state))
+        load_weights(model, load_tensors(path / RunDir.CKPT_MODEL, device=str(device), state=state), state, path)
         _load_optim_state(opts, load_tensors(path / RunDir.CKPT_OPTIM, device=str(device), state=state),
                           state["optim"])
         sampler.load_state_dict(state["sampler"])
