@@ -31,7 +31,7 @@ import xarray as xr
 from ..config import check_choice, check_float, check_int, fail
 from ..data.tasks import iterated_examples, scratchpad_examples
 from ..io import RunDir, atomic_write_bytes, latest_checkpoint, load_tensors, load_weights, provenance, read_json
-from ..io import save_netcdf
+from ..io import save_netcdf, save_results
 from ..models.retrofit import retrofit
 from .retrofit import (_base_and_tokenizer, answer_sweep, depth_sweep, first_depth, loop1_check, task_examples,
                        train_retrofit)
@@ -190,8 +190,33 @@ def recipe_phase(out_dir, phase: str, checkpoint: str = "", progress: bool = Fal
     flat = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in setup.items() if k != "seed"}
     attrs = provenance(None, setup["seed"], phase=phase, **flat, phase_s=round(time.perf_counter() - t0, 2))
     ds.attrs.update({k: v for k, v in attrs.items() if k != "config_json"})  # the sweeps' attrs hold the model's
-    save_netcdf(ds, RunDir(out).results)
+    save_results(ds, out, _headline(ds))
     return ds
+
+
+# a phase's headline numbers: (variable, over depths within or beyond K, long name); the report shows them first
+HEADLINES = (("step_accuracy", "diagonal", "teacher-forced accuracy at loop = depth"),
+             ("answer_accuracy", "answers", "greedy answer accuracy"),
+             ("inverse_step_accuracy", "inverse", "inverse rule's accuracy at loop = depth, after training"))
+
+
+def _headline(ds: xr.Dataset) -> list[str]:
+    """Return the names of the scalar headline variables added to ds: each accuracy's mean within and beyond K."""
+    names = []
+    for var, short, long in HEADLINES:
+        if var not in ds:
+            continue
+        acc = ds[var]
+        acc = acc.sel(inverse_phase="after") if "inverse_phase" in acc.dims else acc
+        acc = acc.isel(approach=0) if "approach" in acc.dims else acc
+        for side, beyond in (("within", 0), ("beyond", 1)):
+            depths = ds.depth.values[ds.beyond_horizon.values == beyond]
+            if len(depths):
+                name = f"{short}_{side}"
+                ds[name] = acc.sel(depth=depths).mean()
+                ds[name].attrs.update(long_name=f"{long}, mean over depths {side} K", units="fraction")
+                names.append(name)
+    return names
 
 
 recipe_phase.notebook_parameters = _recipe_phase_parameters  # read by experiments.passed
