@@ -589,7 +589,8 @@ def test_a_checkpoint_over_a_frozen_base_keeps_the_trainable_tensors_and_the_bas
 
     tok = ByteTokenizer(128)
     model = rf.retrofit(tiny_base(), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4)
-    rx.train_retrofit(model, tok, iterated_examples(8, [2, 3]), 2, batch_size=4, progress=False, out_dir=tmp_path)
+    rx.train_retrofit(model, tok, iterated_examples(8, [2, 3]), 2, batch_size=4, progress=False, out_dir=tmp_path,
+                      save_frozen=False)
     ckpt = latest_checkpoint(tmp_path)
     saved, state = load_file(str(ckpt / "model.safetensors")), read_json(ckpt / "state.json")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -602,6 +603,8 @@ def test_a_checkpoint_over_a_frozen_base_keeps_the_trainable_tensors_and_the_bas
     other = rf.retrofit(tiny_base(seed=1), 1, 2, 1, budget="adapter", loops=3, adapter_rank=4)
     with pytest.raises(ValueError, match="was trained over other frozen parameters"):
         load_weights(other, saved, state, ckpt)
+    with pytest.raises(ValueError, match=r"keeps only trainable tensors \(save_frozen=False\)"):
+        load_model(tmp_path)
 
 
 def test_an_interrupted_phase_resumes_and_ends_as_an_uninterrupted_one(tmp_path, monkeypatch):
@@ -637,3 +640,33 @@ def test_phases_chain_from_their_upstream_and_refuse_another_recipes(tmp_path):
     ds = rr.recipe_phase(tmp_path / "anneal", "anneal", checkpoint=str(tmp_path / "install"), **RECIPE)
     assert ds.attrs["phase"] == "anneal" and ds.answer_accuracy.approach.values.tolist() == ["looped"]
     assert ds.loop1_loss_diff.item() == 0.0  # the adapter budget's loop 1 is the base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", ["paper", "paper_full"])
+def test_the_paper_profiles_twin_runs_every_phase_on_a_random_qwen2_folder(tmp_path, profile):
+    """The paper profile's recipe (Qwen2.5-0.5B-Instruct from a local folder, K = 12, depths to 24, each budget),
+    shrunk in size and steps only, on a random Qwen2 written as save_pretrained does with its tokenizer.json."""
+    from workbench import pipeline
+    from workbench.data.corpus import train_tokenizer
+    from workbench.experiments.recipe import check_recipe_notebook
+
+    folder = tmp_path / "qwen"
+    tok = train_tokenizer([e.prompt + e.answer for e in iterated_examples(50, [1, 2, 3])] * 4, 300)
+    qwen = random_qwen2(vocab_size=tok.vocab_size, d_model=32, layers=4, n_heads=4, n_kv_heads=2, d_ff=64)
+    qwen.save_pretrained(folder)
+    tok.save(folder / "tokenizer.json")
+    params = {s.name: dict(s.params) for s in pipeline.load_spec("retrofit_recipe", profile).steps}
+    paper = {k: v for k, v in params["install"].items() if k != "phase"}
+    assert paper["loops"] == 12 and max(paper["eval_depths"]) == 24 and paper["base"].startswith("path:")
+    with pytest.raises(ValueError, match="must name a local model folder"):
+        check_recipe_notebook({**params["install"], "base": f"path:{tmp_path / 'absent'}"})
+    twin = {**paper, "base": f"path:{folder}", "prelude": 1, "core": 2, "coda": 1, "adapter_rank": 2, "steps": 2,
+            "anneal_steps": 1, "inverse_steps": 2, "batch_size": 2, "n_train": 2, "n_eval": 1, "n_answers": 1}
+    for phase in ("install", "anneal", "scratchpad", "inverse"):
+        check_recipe_notebook({**params[phase], **twin})  # what the pipeline checks before anything runs
+    ds = rr.recipe_run(tmp_path / "run", **twin)
+    assert ds.step_accuracy.sizes["depth"] == len(paper["eval_depths"]) and ds.attrs["budget"] == paper["budget"]
+    assert ds.phase.values.tolist() == ["per_loop", "final_only", "after_inverse"]
+    if paper["budget"] == "adapter":  # loop 1 stays the base under the adapter budget, whatever trained
+        assert ds.loop1_loss_diff.item() == 0.0

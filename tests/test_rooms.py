@@ -248,13 +248,15 @@ def test_the_real_package_is_parsed():
 
 # ---- one owner for the run folder: only io.RunDir spells a run file's name (issue 28) ----------------------
 # The names RunDir owns, and the two suffixes of the folders beside a run. A Hugging Face folder's own
-# config.json and model.safetensors are that library's names, not a run folder's: models/hf*.py write them.
+# config.json, model.safetensors and tokenizer.json are that library's names, not a run folder's: models/hf*.py
+# write or read them.
 RUN_FILE_NAMES = ("config.json", "tokenizer.json", "latest.json", "metrics.nc", "results.nc", "progress.json",
                   "run.json", "notebook.ipynb", "notebook.html", "experiment.json", "model.safetensors",
                   "optim.safetensors", "state.json", "kernel.log", ".partial", ".lock", ".attempt")
-# (and a datasets save_to_disk folder's state.json, which data/sources.py recognises)
-HF_LAYOUT = {"workbench/models/hf.py": {"config.json"}, "workbench/models/hf_looped.py": {"config.json", "model.safetensors"},
-             "workbench/data/sources.py": {"state.json"}}
+# (and a datasets save_to_disk folder's state.json, which data/sources.py recognises, and a model folder's
+# tokenizer.json, which data/tokenizers.py reads)
+HF_LAYOUT = {"workbench/models/hf.py": {"config.json", "tokenizer.json"}, "workbench/models/hf_looped.py": {"config.json", "model.safetensors"},
+             "workbench/data/sources.py": {"state.json"}, "workbench/data/tokenizers.py": {"tokenizer.json"}}
 
 
 def spelled_run_files(text: str, filename: str = "<text>") -> list[tuple[int, str]]:

@@ -260,8 +260,11 @@ def _load_optim_state(opts, tensors, meta) -> None:
         opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
 
 
-def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict, keep: int = 1) -> Path:
-    """Return the folder of a new complete checkpoint, written then published atomically via latest.json."""
+def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict, keep: int = 1,
+                    trainable_only: bool = False) -> Path:
+    """Return the folder of a new complete checkpoint, written then published atomically via latest.json.
+
+    `trainable_only` leaves frozen parameters out (their count and hash recorded; see `load_weights`)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -270,9 +273,8 @@ def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict
     tmp = RunDir(out).checkpoint_tmp(step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # a model with frozen parameters (a retrofit's base under the adapter budget) keeps only what trains: the
-    # frozen ones are the base's, rebuilt from it on resume and checked against their recorded hash
-    frozen = frozen_parameters(model)
+    # frozen parameters (a retrofit's base under the adapter budget) are the base's, rebuilt from it on resume
+    frozen = frozen_parameters(model) if trainable_only else {}
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in frozen}
     if frozen:
         state = {**state, FROZEN_KEY: {"count": len(frozen), "hash": tensors_hash(frozen.items())}}
@@ -296,9 +298,6 @@ def save_checkpoint(out_dir: str | os.PathLike, model: LoopLM, opts, state: dict
     return final
 
 
-FROZEN_KEY = "frozen"  # state.json's record of the parameters a checkpoint leaves out (count, hash)
-
-
 def frozen_parameters(model) -> dict:
     """Return {state_dict name: tensor} of the model's parameters that do not train (tied names included)."""
     return {n: p for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
@@ -318,11 +317,8 @@ def tensors_hash(named) -> str:
 
 
 def load_weights(model, tensors: dict, state: dict, path: str | os.PathLike) -> None:
-    """Return None after loading a checkpoint's tensors into the model (frozen parameters checked, not loaded).
-
-    A checkpoint that left frozen parameters out (`state[FROZEN_KEY]`) loads into a model whose frozen
-    parameters hash the same (the same base), else ValueError naming it; other missing tensors are refused.
-    """
+    """Return None after loading a checkpoint's tensors into the model; one that left frozen parameters out
+    (`state[FROZEN_KEY]`) only into a model whose frozen parameters hash the same (the same base)."""
     saved = state.get(FROZEN_KEY)
     if not saved:
         model.load_state_dict(tensors)
@@ -348,6 +344,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
 
 
 HASH_KEY = "xxh3_128"  # state.json's record of each weights file's hash
+FROZEN_KEY = "frozen"  # state.json's record of the parameters a checkpoint leaves out (count, hash)
 
 
 def file_hash(path: str | os.PathLike) -> str:
@@ -563,6 +560,9 @@ def load_model(path: str | os.PathLike, device=None) -> LoopLM:
 
     _, ckpt = find_run(path)
     state = read_json(ckpt / RunDir.CKPT_STATE, "checkpoint state")
+    if state.get(FROZEN_KEY):
+        raise ValueError(f"the checkpoint at {ckpt} keeps only trainable tensors (save_frozen=False): rebuild its "
+                         "model from the base it trained over and load it with load_weights")
     try:
         cfg = LoopConfig.from_json(state["model_config"])
     except (ValueError, TypeError, KeyError) as e:

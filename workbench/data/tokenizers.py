@@ -168,6 +168,26 @@ def find_smollm2_gguf() -> Path:
                             f"reinstall it with: {install}")
 
 
+def folder_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Return the Tokenizer of a local Hugging Face model folder: its tokenizer.json, its eos_token as end of text.
+
+    A folder written by `save_pretrained` (Qwen2.5-0.5B-Instruct downloaded by the user, for example),
+    read offline with the `tokenizers` library; errors name the folder and what it lacks.
+    """
+    from tokenizers import Tokenizer as Backend
+
+    folder = Path(path).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"path={str(path)!r} has no tokenizer.json: give a model folder written by "
+                                "save_pretrained with its tokenizer")
+    eos = EOS
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        given = json.loads(config.read_text()).get("eos_token")
+        eos = given.get("content") if isinstance(given, dict) else (given or EOS)
+    return Tokenizer(Backend.from_file(str(folder / "tokenizer.json")), eos_token=eos)
+
+
 def pretrained_tokenizer(name: str = "smollm2", cache_dir=None) -> Tokenizer:
     """Return a pretrained Tokenizer by name (only "smollm2": the SmolLM2 tokenizer from its GGUF file).
 

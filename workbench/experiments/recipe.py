@@ -32,9 +32,10 @@ from ..config import check_choice, check_float, check_int, fail
 from ..data.tasks import iterated_examples, scratchpad_examples
 from ..io import RunDir, atomic_write_bytes, latest_checkpoint, load_tensors, load_weights, provenance, read_json
 from ..io import save_netcdf, save_results
+from ..models.hf import missing_model_files
 from ..models.retrofit import retrofit
-from .retrofit import (_base_and_tokenizer, answer_sweep, depth_sweep, first_depth, loop1_check, task_examples,
-                       train_retrofit)
+from .retrofit import (BASE_PATH, _base_and_tokenizer, answer_sweep, check_base, depth_sweep, first_depth, loop1_check,
+                       task_examples, train_retrofit)
 
 PHASES = ("install", "anneal", "scratchpad", "inverse")
 UPSTREAM = {"anneal": "install", "inverse": "anneal"}  # the phase whose trained weights a phase starts from
@@ -47,7 +48,7 @@ def recipe_setup(base: str = "tiny", prelude: int = 1, core: int = 2, coda: int 
                  n_train: int = 700, eval_depths: Sequence[int] | None = None, n_eval: int = 40, n_answers: int = 20,
                  rule: str = "add", modulus: int = 10, seed: int = 0) -> dict:
     """Return the recipe's settings, checked, with eval_depths resolved (default 1..ceil(1.5 K) + 1)."""
-    check_choice("base", base, ("smollm2", "tiny"))
+    check_base(base)
     K = check_int("loops", loops, 2)
     for name, value, low in (("prelude", prelude, 0), ("core", core, 1), ("coda", coda, 0), ("steps", steps, 1),
                              ("anneal_steps", anneal_steps, 0), ("inverse_steps", inverse_steps, 0),
@@ -111,7 +112,7 @@ def _train(model, tok, examples, steps: int, setup: dict, folder: Path, **kw) ->
     kw.setdefault("warmup", _warmup(setup))
     return train_retrofit(model, tok, examples, steps, batch_size=setup["batch_size"], lr=setup["lr"],
                           seed=setup["seed"], progress=False, loop1_distill=setup["loop1_distill"], out_dir=folder,
-                          resume=True, **kw)
+                          resume=True, save_frozen=False, **kw)
 
 
 def _final_examples(setup: dict, model):
@@ -220,6 +221,23 @@ def _headline(ds: xr.Dataset) -> list[str]:
 
 
 recipe_phase.notebook_parameters = _recipe_phase_parameters  # read by experiments.passed
+
+
+def check_recipe_notebook(params: dict) -> None:
+    """Return None when the retrofit_recipe notebook's parameters make a valid phase; else raise ValueError naming one.
+
+    The pipeline calls it (the notebook's metadata names it) for every run before anything runs: the
+    settings, the phase, and a `path:` base's folder (its config.json and tokenizer.json) are checked
+    without loading a model.
+    """
+    p = {k: v for k, v in params.items() if k not in ("out_dir", "checkpoint", "progress")}
+    check_choice("phase", p.pop("phase", "install"), PHASES)
+    setup = recipe_setup(**p)
+    if setup["base"].startswith(BASE_PATH):
+        missing = missing_model_files(setup["base"][len(BASE_PATH):])
+        if missing:
+            fail("base", setup["base"], f"must name a local model folder (save_pretrained's layout with its "
+                 f"tokenizer); it lacks {', '.join(missing)}, and nothing is downloaded")
 
 
 def _install(setup: dict, out: Path, upstream: None) -> xr.Dataset:

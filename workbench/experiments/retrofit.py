@@ -361,11 +361,27 @@ def loop1_check(model: LoopLM, base, tokenizer=None, text=None, n_windows: int =
                "heldout_text() (Python standard-library source, ASCII)" if text is None else "text given"})
 
 
+BASE_PATH = "path:"  # base="path:DIR": a local Hugging Face folder (a Llama or Qwen2 with its tokenizer.json)
+
+
+def check_base(base: str) -> str:
+    """Return base if it is smollm2, tiny or path:DIR (a local model folder); else fail listing them."""
+    if not (isinstance(base, str) and base.startswith(BASE_PATH) and len(base) > len(BASE_PATH)):
+        check_choice("base", base, ("smollm2", "tiny", "path:DIR (a local Hugging Face model folder)"))
+    return base
+
+
 def _base_and_tokenizer(base: str, layers: int, seed: int):
-    """Return (base model, tokenizer): SmolLM2 from its GGUF, or a tiny random Llama with a byte tokenizer."""
-    check_choice("base", base, ("smollm2", "tiny"))
+    """Return (base model, tokenizer): SmolLM2 from its GGUF, a local folder's model and tokenizer.json, or a
+    tiny random Llama with a byte tokenizer."""
+    check_base(base)
     if base == "smollm2":
         return load_smollm2()
+    if base.startswith(BASE_PATH):
+        from ..data.tokenizers import folder_tokenizer
+
+        folder = base[len(BASE_PATH):]
+        return load_base(folder), folder_tokenizer(folder)
     return random_llama(layers=check_int("prelude + core + coda", layers, 1), std=0.2, seed=seed), ByteTokenizer(128)
 
 

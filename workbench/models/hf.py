@@ -229,6 +229,14 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     return llama.eval()
 
 
+def missing_model_files(path: str | os.PathLike) -> list[str]:
+    """Return what a local Hugging Face model folder lacks of config.json and tokenizer.json ([] when whole)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return [f"the folder itself ({folder})"]
+    return [name for name in ("config.json", "tokenizer.json") if not (folder / name).is_file()]
+
+
 def load_base(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = False):
     """Return the causal LM (eval mode) stored at a local path, read offline: a directory or a GGUF file.
 

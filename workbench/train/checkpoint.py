@@ -186,7 +186,8 @@ class Checkpointer:
         bad = nonfinite(model, opts)
         if bad is not None:
             raise self.diverged(state["step"], f"after its update, {bad} is not finite")
-        path = save_checkpoint(self.run.path, model, opts, state, self.tc.keep_checkpoints)
+        path = save_checkpoint(self.run.path, model, opts, state, self.tc.keep_checkpoints,
+                               trainable_only=not self.tc.save_frozen)
         self.saved_at = time.monotonic()
         self.last_saved = (state["step"], path)
         return path

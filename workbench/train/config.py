@@ -59,6 +59,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # also checkpoint every this many steps (0: by time only)
     checkpoint_seconds: float = 300.0  # checkpoint when this long has passed since the last one (0: off)
     keep_checkpoints: int = 1
+    save_frozen: bool = True  # False: checkpoints keep only what trains (a retrofit over a base it rebuilds)
     seed: int = 0
     device: str | None = None
     bf16: str = "auto"  # auto: bf16 autocast where the device does bf16 fast (models.precision); on; off
@@ -82,7 +83,7 @@ class TrainConfig:
                 check_int(_f(name), getattr(self, name), 1, allowed="must be None or an integer >= 1")
         for name in ("warmup", "eval_every", "checkpoint_every", "seed"):
             check_int(_f(name), getattr(self, name), 0)
-        for name in ("chinchilla", "muon", "progress"):
+        for name in ("chinchilla", "muon", "progress", "save_frozen"):
             check_bool(_f(name), getattr(self, name))
         for name in ("bf16", "compile"):  # True / False / None (configs written before "auto") mean on / off / auto
             object.__setattr__(self, name, check_precision(_f(name), getattr(self, name)))
