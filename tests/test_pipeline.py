@@ -251,6 +251,20 @@ def test_report_links_every_run_and_renders_notebooks(project):
     assert (runs / "demo" / "plotly.min.js").stat().st_size > 1_000_000
 
 
+def test_each_pairs_an_upstream_run_with_the_combinations_that_agree_with_it(project):
+    """A grid on both steps (the recipe's seeds): b's x = 2 follows a's x = 2 only, and a value a never had runs
+    after none; a parameter b alone varies still multiplies."""
+    text = SPEC.replace("    params: {scale: 10.0, log: LOG}", "    params: {scale: 10.0, log: LOG}\n"
+                        "    grid: {x: [2, 3, 4], fail: [false, true]}")
+    pipe = pipeline.load_spec(spec(project, text))
+    jobs = {j.key: j for j in pipeline.expand(pipe, project / "runs")}
+    b = [j for j in jobs.values() if j.step == "b"]
+    assert sorted((j.params["x"], j.params["fail"]) for j in b) == [(2, False), (2, True), (3, False), (3, True)]
+    for j in b:
+        up, = j.upstream
+        assert jobs[up].params["x"] == j.params["x"]
+
+
 @pytest.mark.parametrize("text, key", [
     (SPEC.replace("params: {log: LOG}", "params: {log: LOG, x: 1, x: 2}"), "'x'"),
     (SPEC.replace("  small:", "  small:\n    a: {grid: {x: [6]}}\n  small:"), "'small'"),

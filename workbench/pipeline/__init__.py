@@ -13,6 +13,7 @@ A spec (``pipelines/<name>.yaml``)::
       - name: sweep
         notebook: loop_sweep
         each: {train: checkpoint}     # one run per run of `train`; its run folder goes in parameter `checkpoint`
+                                      # (with its grid or cases: the combinations agreeing with that run)
       - name: fit
         notebook: fit_laws
         gather: {train: runs}         # one run; the list of `train`'s run folders goes in parameter `runs`

@@ -85,6 +85,10 @@ def expand(pipe: Pipeline, runs_dir: str | os.PathLike = "runs") -> list[RunJob]
         jobs = []
         for src in sources:
             for combo in _combos(step):
+                # `each` pairs an upstream run with the combinations that agree with it on the parameters both
+                # vary or set (a seed grid on both steps gives seed s after seed s, not every pairing)
+                if any(k in u.params and u.params[k] != v for u in src for k, v in combo.items()):
+                    continue
                 params = {**step.params, **combo}
                 keyed = dict(params)  # upstream folders enter the key as the upstream runs' keys
                 upstream: list[str] = []
