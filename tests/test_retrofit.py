@@ -670,3 +670,49 @@ def test_the_paper_profiles_twin_runs_every_phase_on_a_random_qwen2_folder(tmp_p
     assert ds.phase.values.tolist() == ["per_loop", "final_only", "after_inverse"]
     if paper["budget"] == "adapter":  # loop 1 stays the base under the adapter budget, whatever trained
         assert ds.loop1_loss_diff.item() == 0.0
+
+
+def plant_recipe_run(root, step, seed, ds):
+    """Write a finished retrofit_recipe run folder of `step` and `seed` holding only its results.nc."""
+    d = root / "retrofit_recipe" / step / f"{step}{seed}"
+    d.mkdir(parents=True)
+    ds.to_netcdf(d / "results.nc", engine="h5netcdf")
+    (d / "run.json").write_text(json.dumps({"status": "done", "finished": f"{seed}", "params": {"seed": seed}}))
+
+
+def test_recipe_claims_read_each_seeds_phases_and_correct_over_the_family_of_six(tmp_path):
+    from workbench.experiments.recipe_findings import held_multiple, recipe_claims
+
+    depths = [1, 2, 3, 4, 5, 6, 7, 8]
+    beyond = ("depth", [int(d > 4) for d in depths])
+    rng = np.random.default_rng(0)
+    for s in range(3):
+        jitter = rng.normal(0, 0.01, len(depths))
+        diag = np.array([0.0, 1.0, 0.95, 0.9, 0.8, 0.72, 0.5, 0.3]) + jitter  # held through depth 6: 1.5 K
+        looped = np.array([0.0, 0.9, 0.9, 0.85, 0.7, 0.6, 0.4, 0.2]) + jitter
+        pad = np.array([0.0, 0.9, 0.9, 0.85, 0.1, 0.05, 0.0, 0.0]) + jitter
+        attrs = {"loops": 4, "budget": "adapter"}
+        plant_recipe_run(tmp_path, "anneal", s, xr.Dataset(
+            {"step_accuracy": ("depth", diag), "answer_accuracy": (("approach", "depth"), looped[None]),
+             "seconds_per_answer": (("approach", "depth"), np.full((1, 8), 0.02))},
+            coords={"depth": depths, "approach": ["looped"], "beyond_horizon": beyond}, attrs=attrs))
+        plant_recipe_run(tmp_path, "scratchpad", s, xr.Dataset(
+            {"answer_accuracy": (("approach", "depth"), pad[None]),
+             "seconds_per_answer": (("approach", "depth"), np.full((1, 8), 0.1 + 0.01 * s))},
+            coords={"depth": depths, "approach": ["scratchpad"], "beyond_horizon": beyond}, attrs=attrs))
+        plant_recipe_run(tmp_path, "inverse", s, xr.Dataset(
+            {"step_accuracy": ("depth", diag - 0.6)}, coords={"depth": depths, "beyond_horizon": beyond}))
+    claims = recipe_claims(tmp_path)
+    assert claims.attrs["family_size"] == 6 and claims.comparison.values.tolist() == [
+        "installed", "extrapolation", "overall", "beyond", "speed", "interference"]
+    assert claims.held_multiple.values.tolist() == [1.5, 1.5, 1.5]
+    assert float(claims.difference.sel(comparison="speed")) == pytest.approx(np.mean([4.0, 4.5, 5.0]))
+    assert float(claims.difference.sel(comparison="interference")) == pytest.approx(-0.6)
+    assert float(claims.difference.sel(comparison="beyond")) == pytest.approx(np.mean([0.6, 0.55, 0.4, 0.2]))
+    assert set(claims.verdict.values) == {"replicates"}  # each planted the paper's way, with 3 seeds
+    # Holm over six and Bonferroni intervals: never narrower than the plain 95% interval
+    assert (claims.p_holm >= claims.p).all() and (claims.low_corrected <= claims.low).all()
+    acc = xr.DataArray([0.0, 0.9, 0.6, 0.9], coords={"depth": [1, 2, 3, 4]})
+    assert held_multiple(acc, 4, 2) == 0.5  # held through depth 2 only: the dip at 3 ends it
+    with pytest.raises(ValueError, match="no finished retrofit_recipe/anneal run"):
+        recipe_claims(tmp_path / "empty")

@@ -1,0 +1,125 @@
+"""The retrofit paper's recipe claims (seeds/000, second part) read from `retrofit_recipe` runs, over seeds.
+
+The comparisons were fixed in docs/findings.md before any run: per seed one number each, a Student t interval
+over the seeds, Holm over the family of six and Bonferroni-wide intervals, a verdict in the paper's direction
+(`workbench.stats`). Each seed's anneal, scratchpad and inverse runs are read (each phase after its own
+seed's upstream, as the laptop profile pairs them):
+- installed: mean teacher-forced diagonal accuracy (loop = depth) at the supervised depths after annealing,
+  minus chance (0.10 for residues mod 10): "computes one task step per loop and persists when only final
+  answers are graded";
+- extrapolation: the deepest depth through which the diagonal stays at or above 0.7, over K, minus 1 (past
+  the supervised depth at all; the paper's multiple, 1.5, is printed beside it);
+- overall and beyond: greedy answer accuracy, looped minus scratchpad, over every trained-and-beyond depth
+  and beyond K only ("won overall ... retained 53% versus 2.5% beyond depth 10");
+- speed: the scratchpad's seconds per answer over the looped model's, minus 1 ("answered 7.6 times faster");
+- interference: the installed rule's diagonal at the supervised depths after training the inverse rule,
+  minus before it (the paper: no continuation kept the installed mechanism, so negative).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from ..io import RunDir, find_runs, read_json
+from ..stats import holm, seed_interval, simultaneous, verdict
+
+CHANCE = 0.10  # ten residues: the most common answer's share of uniformly drawn examples
+HOLD = 0.7  # the paper's extrapolation threshold: accuracy held at or above 70%
+# (comparison, the paper's sign, what the per-seed number is): fixed before the runs
+COMPARISONS = (("installed", +1, "mean diagonal accuracy at depths first..K after annealing - 0.10"),
+               ("extrapolation", +1, "deepest depth held at >= 0.7, over K, - 1"),
+               ("overall", +1, "greedy accuracy, looped - scratchpad, depths first..max"),
+               ("beyond", +1, "greedy accuracy, looped - scratchpad, depths past K"),
+               ("speed", +1, "scratchpad seconds per answer / looped - 1"),
+               ("interference", -1, "installed rule's diagonal at first..K after the inverse - before"))
+
+
+def _by_seed(runs_dir, pipeline: str, step: str) -> dict[int, xr.Dataset]:
+    """Return {seed: results Dataset} of a step's finished runs (one per seed; a second is an error)."""
+    out: dict[int, xr.Dataset] = {}
+    for d in find_runs(pipeline, step, runs_dir):
+        seed = int((read_json(RunDir(d).record, "run record").get("params") or {}).get("seed", 0))
+        if seed in out:
+            raise ValueError(f"{pipeline}/{step} has two finished runs of seed {seed} under {runs_dir}: keep one "
+                             "recipe per runs folder")
+        out[seed] = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+    return out
+
+
+def held_multiple(step_accuracy: xr.DataArray, K: int, first: int) -> float:
+    """Return the deepest depth d >= first with accuracy >= 0.7 at every depth first..d, over K (0 when none)."""
+    held = 0
+    for d in sorted(int(x) for x in step_accuracy.depth.values if x >= first):
+        if not float(step_accuracy.sel(depth=d)) >= HOLD:
+            break
+        held = d
+    return held / K
+
+
+def _values(anneal: xr.Dataset, scratch: xr.Dataset | None, inverse: xr.Dataset | None) -> dict[str, float]:
+    """Return one seed's number for each comparison its runs allow."""
+    K, first = int(anneal.attrs["loops"]), 2 if anneal.attrs.get("budget") == "adapter" else 1
+    depths = anneal.depth.values
+    within = depths[(depths >= first) & (depths <= K)]
+    diag = anneal.step_accuracy
+    out = {"installed": float(diag.sel(depth=within).mean()) - CHANCE,
+           "extrapolation": held_multiple(diag, K, first) - 1}
+    if scratch is not None:
+        looped = anneal.answer_accuracy.sel(approach="looped")
+        pad = scratch.answer_accuracy.sel(approach="scratchpad")
+        past = depths[depths > K]
+        out["overall"] = float((looped - pad).sel(depth=depths[depths >= first]).mean())
+        if len(past):
+            out["beyond"] = float((looped - pad).sel(depth=past).mean())
+        t_loop = float(anneal.seconds_per_answer.sel(approach="looped", depth=within).mean())
+        t_pad = float(scratch.seconds_per_answer.sel(approach="scratchpad", depth=within).mean())
+        out["speed"] = t_pad / t_loop - 1
+    if inverse is not None:
+        out["interference"] = float(inverse.step_accuracy.sel(depth=within).mean() - diag.sel(depth=within).mean())
+    return out
+
+
+def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe") -> xr.Dataset:
+    """Return one row per comparison (dim `comparison`): seed mean, 95% t interval, Holm p over the family of six,
+    the Bonferroni interval and the verdict in the paper's direction; `per_seed` [comparison, seed] beside them."""
+    anneal = _by_seed(runs_dir, pipeline, "anneal")
+    if not anneal:
+        raise ValueError(f"no finished {pipeline}/anneal run under {runs_dir}: run `workbench run {pipeline} "
+                         "--profile laptop --jobs 1` first")
+    scratch, inverse = _by_seed(runs_dir, pipeline, "scratchpad"), _by_seed(runs_dir, pipeline, "inverse")
+    seeds = sorted(anneal)
+    per = {s: _values(anneal[s], scratch.get(s), inverse.get(s)) for s in seeds}
+    rows = []
+    for name, sign, what in COMPARISONS:
+        values = [per[s][name] for s in seeds if name in per[s]]
+        if len(values) >= 2:
+            rows.append({"comparison": name, "sign": sign, "statistic": what, "values": values,
+                         "ci": seed_interval(values)})
+    if not rows:
+        raise ValueError(f"the {pipeline} runs under {runs_dir} hold fewer than 2 seeds: an interval needs 2 or more")
+    m = len(COMPARISONS)  # the family fixed before the runs, whether or not every row could be read yet
+    for r, p_adj in zip(rows, holm([r["ci"].p for r in rows] + [1.0] * (m - len(rows)))):
+        c = simultaneous(r["values"], m)
+        r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]))
+    dim = "comparison"
+    data: dict[str, Any] = {
+        "difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
+        "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
+        "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
+        "low_corrected": (dim, [r["corrected"].low for r in rows]),
+        "high_corrected": (dim, [r["corrected"].high for r in rows]),
+        "verdict": (dim, [r["verdict"] for r in rows]),
+        "per_seed": ((dim, "seed"), [[per[s].get(r["comparison"], np.nan) for s in seeds] for r in rows])}
+    coords = {dim: [r["comparison"] for r in rows], "sign": (dim, [r["sign"] for r in rows]),
+              "statistic": (dim, [r["statistic"] for r in rows]), "seed": seeds}
+    held = [held_multiple(anneal[s].step_accuracy, int(anneal[s].attrs["loops"]),
+                          2 if anneal[s].attrs.get("budget") == "adapter" else 1) for s in seeds]
+    ds = xr.Dataset(data, coords=coords)
+    ds["held_multiple"] = ("seed", held, {"long_name": "deepest depth held at >= 0.7, over K (the paper: 1.5)"})
+    ds.attrs = {"interval": "95% Student t over per-seed values", "family_size": m,
+                "correction": f"Holm p-values and Bonferroni intervals at 1 - 0.05/{m} over the family"}
+    return ds
