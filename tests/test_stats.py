@@ -222,3 +222,59 @@ def test_phi_ladder_recovers_a_planted_phi_and_says_when_the_ladder_is_flat(tmp_
     else:
         assert not bool(out.identified.item())  # no capacity effect: phi cannot be read off the ladder
         assert "not identifiable" in phi_ladder_rows(out)[0]
+
+
+def plant_conditioning_run(root, key, cfg, seed, knowledge, reasoning, loops=(1, 2, 4, 6, 8, 12)):
+    """Write a finished conditioning/train run folder holding only the group accuracies conditioning_claims reads."""
+    d = root / "conditioning" / "train" / key
+    d.mkdir(parents=True)
+    acc = np.stack([knowledge, reasoning], axis=1)
+    xr.Dataset({"group_accuracy": (("loop", "group"), acc)},
+               coords={"loop": list(loops), "group": ["knowledge", "reasoning"]},
+               attrs={"config_json": json.dumps({"loops": 4, "prelude": 1, "coda": 1, "inject": "none",
+                                                 "history": 0, "timestep": "none", **cfg})}).to_netcdf(
+        d / "results.nc", engine="h5netcdf")
+    (d / "run.json").write_text(json.dumps({"status": "done", "finished": key, "params": {"seed": seed}}))
+
+
+def test_conditioning_claims_pair_each_arm_with_plain_per_seed_and_correct_within_each_family(tmp_path):
+    from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
+
+    rng = np.random.default_rng(1)
+    base_k = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7])
+    base_r = np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
+    arms = {"BaseLoop": ({"prelude": 0, "coda": 0}, base_k - [0, 0, 0, 0.1, 0.2, 0.3], base_r + [0, 0, 0, .04, .08, .1]),
+            "plain": ({}, base_k, base_r),
+            "H+LG": ({"history": 1, "history_op": "channel", "timestep": "loop_gate"}, base_k + 0.1, base_r + 0.1),
+            "H(dense)": ({"history": 1, "history_op": "dense"}, base_k + 0.05, base_r + 0.05),
+            "I(dense)": ({"inject": "dense"}, base_k - [0, 0, 0, 0.2, 0.4, 0.5], base_r - 0.05),
+            "I(scalar)": ({"inject": "scalar"}, base_k, base_r)}
+    for arm, (cfg, k, r) in arms.items():
+        assert arm_of({"loops": 4, "prelude": 1, "coda": 1, "inject": "none", "history": 0, "timestep": "none",
+                       **cfg}) == arm
+        for s in range(3 if arm != "I(scalar)" else 2):
+            noise = rng.normal(0, 0.005, 6)
+            plant_conditioning_run(tmp_path, f"{arm}{s}", cfg, s, k + noise, r + noise)
+    c = conditioning_claims(tmp_path)
+    assert c.comparison.values.tolist() == ["first_reasoning", "first_knowledge", "hlg", "dense_history",
+                                            "dense_injection", "scalar_injection"]  # channel: no runs
+    assert float(c.difference.sel(comparison="first_knowledge")) == pytest.approx(-0.3, abs=0.02)
+    assert float(c.difference.sel(comparison="hlg")) == pytest.approx(0.1, abs=0.01)
+    assert c.verdict.sel(comparison=["first_reasoning", "first_knowledge", "hlg", "dense_history",
+                                     "dense_injection"]).values.tolist() == ["replicates"] * 5
+    assert c.verdict.sel(comparison="scalar_injection").item() == "no direction" and int(
+        c.seeds.sel(comparison="scalar_injection")) == 2
+    assert c.family_size.sel(comparison="hlg").item() == 4 and c.family_size.sel(comparison="dense_injection") == 1
+    assert bool(np.isnan(c.per_seed.sel(comparison="scalar_injection", seed=2)))
+
+
+def test_conditioning_reasoning_pools_the_trained_depths_with_those_past_them_by_count():
+    from workbench.experiments.conditioning_findings import _pooled
+
+    ds = xr.Dataset({"group_accuracy": (("loop", "group"), [[0.5, 1.0]]),
+                     "group_accuracy_beyond": (("loop", "group"), [[np.nan, 0.25]]),
+                     "group_count": ("group", [64.0, 384.0]), "group_count_beyond": ("group", [0.0, 128.0])},
+                    coords={"loop": [4], "group": ["knowledge", "reasoning"]})
+    acc = _pooled(ds)
+    assert float(acc.sel(loop=4, group="reasoning")) == pytest.approx((384 * 1.0 + 128 * 0.25) / 512)
+    assert float(acc.sel(loop=4, group="knowledge")) == 0.5 and float(ds.group_accuracy[0, 1]) == 1.0  # a copy

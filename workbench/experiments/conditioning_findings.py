@@ -1,0 +1,153 @@
+"""The recurrence-effectiveness paper's conditioning claims (seeds/004) from the conditioning seeds runs, over seeds.
+
+`conditioning --profile seeds` trains BaseLoop (no prelude or coda), the plain 1+2x4+1 loop, H+LG (channel-wise
+history w = 1 with the loop gate) and dense history w = 1 on three seeds sharing one tokenizer and recall
+world; `--profile injection` adds scalar, channel-wise and dense initial-state injection in the same setup.
+Each train run scores knowledge (recall) and reasoning (iterated addition) at the trained depths at r = 1,
+2, 4, 6, 8, 12 (K = 4). `conditioning_claims(runs_dir)` reads one number per seed for each comparison below
+(fixed before the runs ended), a Student t interval over seeds, Holm and Bonferroni within each family, and a
+verdict in the paper's direction (`workbench.stats`). Reasoning is read over every evaluated depth (1-12: the
+trained 1-6 and the 7-12 past them, pooled), knowledge at the trained facts; "overall" is their mean, as the
+paper's overall score averages its benchmarks. (The pooling was chosen after the first two plain runs showed
+the trained depths at 1.00 at r = K, before any other arm had finished.)
+
+Family `seeds` (4 comparisons):
+- first_reasoning / first_knowledge: BaseLoop's accuracy at r = 2K minus at K ("reasoning rose from 28.52 at
+  L(r)=20 to 31.49 at L(r)=40 ... while knowledge fell from 62.80 to 52.11"): reasoning up, knowledge down;
+- hlg: H+LG minus plain, overall averaged over r = K, 1.5K, 2K, 3K ("outperforms either alone and the
+  unconditioned BaseLoop baseline across inference budgets"), up;
+- dense_history: dense history w = 1 minus plain, overall at 3K ("a minimal window (w=1) sustained robust
+  accuracy"), up.
+Family `injection` (1 comparison): dense initial-state injection minus plain, overall averaged over 2K and
+3K ("collapsed catastrophically on overall and knowledge accuracy during loop extrapolation"), down. Scalar and
+channel-wise injection minus plain are given with their intervals and no verdict: the paper reports
+"negligible gains", a claim of no difference that an interval can bound but a direction cannot replicate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from ..io import RunDir, find_runs, read_json
+from ..stats import holm, seed_interval, simultaneous, verdict
+
+# (family, comparison, arm a, arm b or "", statistic, the paper's sign; 0: no direction claimed)
+COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - reasoning(K)", +1),
+               ("seeds", "first_knowledge", "BaseLoop", "", "knowledge(2K) - knowledge(K)", -1),
+               ("seeds", "hlg", "H+LG", "plain", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
+               ("seeds", "dense_history", "H(dense)", "plain", "overall at 3K", +1),
+               ("injection", "dense_injection", "I(dense)", "plain", "overall, mean over r = 2K, 3K", -1),
+               ("injection", "scalar_injection", "I(scalar)", "plain", "overall, mean over r = 2K, 3K", 0),
+               ("injection", "channel_injection", "I(channel)", "plain", "overall, mean over r = 2K, 3K", 0))
+
+
+def arm_of(cfg: dict) -> str:
+    """Return a run's arm: BaseLoop, plain, H+LG, H(dense), I(scalar|channel|dense), else a descriptive name."""
+    history, inject, timestep = int(cfg.get("history", 0)), cfg.get("inject", "none"), cfg.get("timestep", "none")
+    if history and timestep == "loop_gate" and inject == "none":
+        return "H+LG" if cfg.get("history_op") == "channel" else f"H({cfg.get('history_op')})+LG"
+    if history and timestep == "none" and inject == "none":
+        return f"H({cfg.get('history_op', 'scalar')})"
+    if inject != "none" and not history and timestep == "none":
+        return f"I({inject})"
+    if inject == "none" and not history and timestep == "none":
+        return "BaseLoop" if int(cfg.get("prelude", 1)) == 0 and int(cfg.get("coda", 1)) == 0 else "plain"
+    return f"inject={inject},history={history}{cfg.get('history_op', '')},timestep={timestep}"
+
+
+def _accuracy(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.DataArray], int]:
+    """Return ({(arm, seed): group_accuracy [loop, group] at the trained depths}, K) of the done train runs."""
+    out, Ks = {}, set()
+    for d in find_runs(pipeline, "train", runs_dir):
+        ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+        cfg = json.loads(ds.attrs["config_json"])
+        seed = int((read_json(RunDir(d).record, "run record").get("params") or {}).get("seed", 0))
+        key = (arm_of(cfg), seed)
+        if key in out:
+            raise ValueError(f"two finished {pipeline}/train runs of arm {key[0]} seed {seed} under {runs_dir}")
+        out[key] = _pooled(ds)
+        Ks.add(int(cfg["loops"]))
+    if len(Ks) > 1:
+        raise ValueError(f"the {pipeline} runs under {runs_dir} trained at several K ({sorted(Ks)}): one K per claim")
+    return out, (Ks.pop() if Ks else 0)
+
+
+def _pooled(ds: xr.Dataset) -> xr.DataArray:
+    """Return accuracy [loop, group]: knowledge at its trained facts; reasoning over every evaluated depth, the
+    trained ones and those past them pooled by their example counts (at r = K the trained depths alone sit at
+    the ceiling, 1.00 for the plain loop's first two seeds, which would leave a gain past K no room)."""
+    acc = ds.group_accuracy.copy()
+    if "group_accuracy_beyond" in ds:
+        n_in = float(ds.group_count.sel(group="reasoning"))
+        n_out = float(ds.group_count_beyond.sel(group="reasoning"))
+        if n_out:
+            both = (ds.group_accuracy.sel(group="reasoning") * n_in
+                    + ds.group_accuracy_beyond.sel(group="reasoning") * n_out) / (n_in + n_out)
+            acc.loc[{"group": "reasoning"}] = both
+    return acc
+
+
+def _statistic(acc: xr.DataArray, name: str, K: int) -> float:
+    """Return one run's value of a comparison's statistic (before the difference between arms)."""
+    overall = acc.sel(group=["knowledge", "reasoning"]).mean("group")
+    at = {"K": K, "1.5K": int(1.5 * K), "2K": 2 * K, "3K": 3 * K}
+    if name == "first_reasoning":
+        return float(acc.sel(group="reasoning", loop=at["2K"]) - acc.sel(group="reasoning", loop=at["K"]))
+    if name == "first_knowledge":
+        return float(acc.sel(group="knowledge", loop=at["2K"]) - acc.sel(group="knowledge", loop=at["K"]))
+    if name == "hlg":
+        return float(overall.sel(loop=[at[k] for k in ("K", "1.5K", "2K", "3K")]).mean())
+    if name == "dense_history":
+        return float(overall.sel(loop=at["3K"]))
+    return float(overall.sel(loop=[at["2K"], at["3K"]]).mean())  # the injection comparisons
+
+
+def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioning") -> xr.Dataset:
+    """Return one row per comparison whose arms have 2 or more seeds (dim `comparison`): the mean over seeds of the
+    per-seed difference, its 95% t interval and p, Holm p and Bonferroni interval within the family, the verdict
+    ("no direction" for the injection variants the paper calls negligible), and `per_seed` [comparison, seed]."""
+    acc, K = _accuracy(runs_dir, pipeline)
+    if not acc:
+        raise ValueError(f"no finished {pipeline}/train run under {runs_dir}: run `workbench run {pipeline} "
+                         "--profile seeds --jobs 2` first")
+    seeds = sorted({s for _, s in acc})
+    rows = []
+    for family, name, a, b, what, sign in COMPARISONS:
+        have = [s for s in seeds if (a, s) in acc and (not b or (b, s) in acc)]
+        if len(have) < 2:
+            continue
+        values = [_statistic(acc[a, s], name, K) - (_statistic(acc[b, s], name, K) if b else 0.0) for s in have]
+        rows.append(dict(family=family, comparison=name, a=a, b=b, statistic=what, sign=sign, seeds_used=have,
+                         values=values, ci=seed_interval(values)))
+    if not rows:
+        raise ValueError(f"no comparison under {runs_dir} has 2 or more seeds holding its arms")
+    for fam in sorted({r["family"] for r in rows}):
+        directed = [r for r in rows if r["family"] == fam and r["sign"]]
+        m = sum(1 for c in COMPARISONS if c[0] == fam and c[5])  # the family fixed before the runs
+        for r, p_adj in zip(directed, holm([r["ci"].p for r in directed] + [1.0] * (m - len(directed)))):
+            c = simultaneous(r["values"], m)
+            r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]), m=m)
+        for r in rows:
+            if r["family"] == fam and not r["sign"]:
+                r.update(p_holm=np.nan, corrected=r["ci"], verdict="no direction", m=m)
+    dim = "comparison"
+    data: dict[str, Any] = {
+        "difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
+        "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
+        "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
+        "low_corrected": (dim, [r["corrected"].low for r in rows]),
+        "high_corrected": (dim, [r["corrected"].high for r in rows]),
+        "verdict": (dim, [r["verdict"] for r in rows]), "family_size": (dim, [r["m"] for r in rows]),
+        "per_seed": ((dim, "seed"), [[r["values"][r["seeds_used"].index(s)] if s in r["seeds_used"] else np.nan
+                                      for s in seeds] for r in rows])}
+    coords = {dim: [r["comparison"] for r in rows], "seed": seeds,
+              **{k: (dim, [r[k] for r in rows]) for k in ("family", "a", "b", "statistic", "sign")}}
+    return xr.Dataset(data, coords=coords, attrs={
+        "training_loops": K, "interval": "95% Student t over per-seed differences",
+        "correction": "Holm p-values and Bonferroni intervals at 1 - 0.05/m within each family",
+        "overall": "mean of knowledge (trained facts) and reasoning (every evaluated depth) accuracy"})
