@@ -750,3 +750,20 @@ def test_committed_allocation_seeds_hold_the_numbers_the_document_quotes():
     mean = s.loss.mean("seed")
     assert all(int(mean.loop[int(mean.sel(arm=a).argmin())]) == int(k)
                for a, k in zip(s.arm.values, s.training_loops.values))  # "every model is best at its own K"
+
+
+def test_the_first_conditioning_seeds_runs_hold_what_the_document_says_was_seen():
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")  # collect() wrote docs/findings/<name>/<step>/
+    assert K == 4 and sorted(acc) == [("plain", 0), ("plain", 1)]
+    text = section((DOCS / "findings.md").read_text(), "Loop conditioning")
+    for seed, (at_k, at_2k, at_3k, know_2k) in {0: (0.77, 0.67, 0.33, 0.92), 1: (0.63, 0.48, 0.23, 0.97)}.items():
+        r = acc["plain", seed].sel(group="reasoning")
+        assert [round(float(r.sel(loop=x)), 2) for x in (4, 8, 12)] == [at_k, at_2k, at_3k]
+        assert round(float(acc["plain", seed].sel(group="knowledge", loop=8)), 2) == know_2k
+        for v in (at_k, at_2k, at_3k, know_2k):
+            assert f"{v:.2f}" in text
+    for key in ("69cc6c8cbfef7f0f", "79b57b760aa13e7e"):
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("aa01528") and "`aa01528`" in text
