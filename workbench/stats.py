@@ -109,3 +109,34 @@ def verdict(corrected: SeedInterval, direction: int) -> str:
     if corrected.excludes_zero():
         return "replicates" if np.sign(corrected.mean) == direction else "opposite"
     return "inconclusive"
+
+
+def correct_family(rows: list[dict], m: int | None = None) -> None:
+    """Return None after giving each row of one family its Holm p (`p_holm`), Bonferroni interval (`corrected`),
+    `verdict` and family size `m`.
+
+    A row holds its per-seed `values`, their `ci` (`seed_interval`) and the paper's `sign` (+1, -1; 0 for a
+    claim of no difference, which gets the plain interval and the verdict "no direction"). `m` is the family's
+    size fixed before the runs (default: its directed rows); rows not yet measurable count as p = 1 in Holm.
+    """
+    directed = [r for r in rows if r["sign"]]
+    m = len(directed) if m is None else m
+    if m < len(directed):
+        fail("m", m, f"must be at least the family's {len(directed)} directed rows")
+    for r, p_adj in zip(directed, holm([r["ci"].p for r in directed] + [1.0] * (m - len(directed)))):
+        c = simultaneous(r["values"], m)
+        r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]), m=m)
+    for r in rows:
+        if not r["sign"]:
+            r.update(p_holm=float("nan"), corrected=r["ci"], verdict="no direction", m=m)
+
+
+def claim_variables(rows: list[dict], dim: str = "comparison") -> dict:
+    """Return the xarray data variables {name: (dim, values)} of corrected claim rows (`correct_family`'s):
+    difference, low, high, p, p_holm, seeds, low_corrected, high_corrected, verdict, family_size."""
+    return {"difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
+            "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
+            "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
+            "low_corrected": (dim, [r["corrected"].low for r in rows]),
+            "high_corrected": (dim, [r["corrected"].high for r in rows]),
+            "verdict": (dim, [r["verdict"] for r in rows]), "family_size": (dim, [r["m"] for r in rows])}

@@ -30,7 +30,7 @@ import numpy as np
 import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
-from ..stats import holm, seed_interval, simultaneous, verdict
+from ..stats import claim_variables, correct_family, seed_interval
 
 # (question, arm a, arm b or "", quantity, the paper's sign of the statistic): the comparisons, fixed before the runs
 BALANCE = ("balance", "1+2x6+1", "1+6x2+1", "drift", +1)
@@ -174,18 +174,10 @@ def allocation_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation")
     for r in rows:
         r["ci"] = seed_interval(r["values"])
     for q in sorted({r["question"] for r in rows}):
-        fam = [r for r in rows if r["question"] == q]
-        for r, p_adj in zip(fam, holm([r["ci"].p for r in fam])):
-            c = simultaneous(r["values"], len(fam))
-            r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]), m=len(fam))
+        correct_family([r for r in rows if r["question"] == q])
     dim = "comparison"
     data: dict[str, Any] = {
-        "difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
-        "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
-        "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
-        "low_corrected": (dim, [r["corrected"].low for r in rows]),
-        "high_corrected": (dim, [r["corrected"].high for r in rows]),
-        "verdict": (dim, [r["verdict"] for r in rows]), "family_size": (dim, [r["m"] for r in rows]),
+        **claim_variables(rows, dim),
         "per_seed": ((dim, "seed"), [r["values"] + [np.nan] * (len(seeds) - len(r["values"])) for r in rows])}
     coords = {k: (dim, [r[k] for r in rows]) for k in ("question", "a", "b", "quantity", "sign")}
     coords["statistic"] = (dim, [QUANTITY[r["quantity"]] for r in rows])

@@ -34,7 +34,7 @@ import numpy as np
 import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
-from ..stats import holm, seed_interval, simultaneous, verdict
+from ..stats import claim_variables, correct_family, seed_interval
 
 # (family, comparison, arm a, arm b or "", statistic, the paper's sign; 0: no direction claimed)
 COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - reasoning(K)", +1),
@@ -126,23 +126,11 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
                          values=values, ci=seed_interval(values)))
     if not rows:
         raise ValueError(f"no comparison under {runs_dir} has 2 or more seeds holding its arms")
-    for fam in sorted({r["family"] for r in rows}):
-        directed = [r for r in rows if r["family"] == fam and r["sign"]]
-        m = sum(1 for c in COMPARISONS if c[0] == fam and c[5])  # the family fixed before the runs
-        for r, p_adj in zip(directed, holm([r["ci"].p for r in directed] + [1.0] * (m - len(directed)))):
-            c = simultaneous(r["values"], m)
-            r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]), m=m)
-        for r in rows:
-            if r["family"] == fam and not r["sign"]:
-                r.update(p_holm=np.nan, corrected=r["ci"], verdict="no direction", m=m)
+    for fam in sorted({r["family"] for r in rows}):  # each family's size fixed before the runs
+        correct_family([r for r in rows if r["family"] == fam], sum(1 for c in COMPARISONS if c[0] == fam and c[5]))
     dim = "comparison"
     data: dict[str, Any] = {
-        "difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
-        "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
-        "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
-        "low_corrected": (dim, [r["corrected"].low for r in rows]),
-        "high_corrected": (dim, [r["corrected"].high for r in rows]),
-        "verdict": (dim, [r["verdict"] for r in rows]), "family_size": (dim, [r["m"] for r in rows]),
+        **claim_variables(rows, dim),
         "per_seed": ((dim, "seed"), [[r["values"][r["seeds_used"].index(s)] if s in r["seeds_used"] else np.nan
                                       for s in seeds] for r in rows])}
     coords = {dim: [r["comparison"] for r in rows], "seed": seeds,

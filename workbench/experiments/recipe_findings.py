@@ -25,7 +25,7 @@ import numpy as np
 import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
-from ..stats import holm, seed_interval, simultaneous, verdict
+from ..stats import claim_variables, correct_family, seed_interval
 
 CHANCE = 0.10  # ten residues: the most common answer's share of uniformly drawn examples
 HOLD = 0.7  # the paper's extrapolation threshold: accuracy held at or above 70%
@@ -101,18 +101,10 @@ def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe"
                          "ci": seed_interval(values)})
     if not rows:
         raise ValueError(f"the {pipeline} runs under {runs_dir} hold fewer than 2 seeds: an interval needs 2 or more")
-    m = len(COMPARISONS)  # the family fixed before the runs, whether or not every row could be read yet
-    for r, p_adj in zip(rows, holm([r["ci"].p for r in rows] + [1.0] * (m - len(rows)))):
-        c = simultaneous(r["values"], m)
-        r.update(p_holm=float(p_adj), corrected=c, verdict=verdict(c, r["sign"]))
+    correct_family(rows, len(COMPARISONS))  # the family fixed before the runs, whether or not every row is read yet
     dim = "comparison"
     data: dict[str, Any] = {
-        "difference": (dim, [r["ci"].mean for r in rows]), "low": (dim, [r["ci"].low for r in rows]),
-        "high": (dim, [r["ci"].high for r in rows]), "p": (dim, [r["ci"].p for r in rows]),
-        "p_holm": (dim, [r["p_holm"] for r in rows]), "seeds": (dim, [r["ci"].n for r in rows]),
-        "low_corrected": (dim, [r["corrected"].low for r in rows]),
-        "high_corrected": (dim, [r["corrected"].high for r in rows]),
-        "verdict": (dim, [r["verdict"] for r in rows]),
+        **claim_variables(rows, dim),
         "per_seed": ((dim, "seed"), [[per[s].get(r["comparison"], np.nan) for s in seeds] for r in rows])}
     coords = {dim: [r["comparison"] for r in rows], "sign": (dim, [r["sign"] for r in rows]),
               "statistic": (dim, [r["statistic"] for r in rows]), "seed": seeds}
@@ -120,6 +112,7 @@ def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe"
                           2 if anneal[s].attrs.get("budget") == "adapter" else 1) for s in seeds]
     ds = xr.Dataset(data, coords=coords)
     ds["held_multiple"] = ("seed", held, {"long_name": "deepest depth held at >= 0.7, over K (the paper: 1.5)"})
+    m = len(COMPARISONS)
     ds.attrs = {"interval": "95% Student t over per-seed values", "family_size": m,
                 "correction": f"Holm p-values and Bonferroni intervals at 1 - 0.05/{m} over the family"}
     return ds
