@@ -286,6 +286,21 @@ def test_slider_reslices_the_dataset_into_every_figure():
     np.testing.assert_allclose(style["x"][0], v.sel(loop=3, token=i).top_p)
     ex.figures["predictions"]._view_count = 0  # a view closed: nothing to send
     assert len(sent) == 4
+    # plotly 7's views do not report themselves: made in a kernel (a running event loop), the explorer sends
+    # every figure whole again at each of RESEND_AFTER_S after the cell, to views drawn meanwhile
+    import asyncio
+
+    ex.RESEND_AFTER_S = (0.01, 0.02)
+
+    async def cell_then_idle():
+        ex._resend_soon()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(cell_then_idle())
+    assert [s[0] for s in sent[4:]] == list(ex.figures) * 2
+    assert "at loop 3" in sent[4][2]["title"]["text"]
+    ex._resend_soon()  # outside a kernel's loop: nothing scheduled, nothing sent
+    assert len(sent) == 12
 
 
 def test_slider_moves_never_trace(monkeypatch):

@@ -247,6 +247,7 @@ class LoopExplorer:
             if self.model is None:
                 raise
             self._say(str(e), "error")
+        self._resend_soon()
 
     # ---- display --------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kw):
@@ -632,15 +633,42 @@ class LoopExplorer:
             h.layout.shapes[0].x0 = h.layout.shapes[0].x1 = r
         self._keep_state()
 
-    @staticmethod
-    def _refresh_new_view(change) -> None:
+    @classmethod
+    def _refresh_new_view(cls, change) -> None:
         """Send a figure's whole current data and layout to its views when the browser reports a new one."""
         # a view draws from the widget state it holds when it is made; under load the browser may make it before
         # the latest state has arrived, and plotly's view never redraws for a later state (a loaded CI run showed
         # blank, untitled plots). A Plotly.update with everything, sent once a view exists, redraws it whole.
+        # (plotly 5's views report themselves in _view_count; plotly 7's anywidget views do not: _resend_soon)
         if (change["new"] or 0) <= (change["old"] or 0):
             return
-        fig = change["owner"]
+        cls._send_whole(change["owner"])
+
+    # a whole-figure update goes again this many seconds after the first draw, once the cell has ended
+    RESEND_AFTER_S = (1.0, 3.0, 10.0, 30.0)
+
+    def _resend_soon(self) -> None:
+        """Return None after asking the kernel's event loop to send every figure whole again a few times soon."""
+        # plotly 7's view reads the widget state, then awaits Plotly.newPlot; state or updates that reach it
+        # meanwhile are not drawn (CI runs under load showed the predictions plot untitled for 60 s). Updates
+        # sent after the cell has ended, while the browser renders the output, reach a view that has drawn.
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no kernel loop (plain Python): views made later draw from the kept state
+        for seconds in self.RESEND_AFTER_S:
+            loop.call_later(seconds, self._send_all)
+
+    def _send_all(self) -> None:
+        """Return None after sending each figure's whole current data and layout to its views."""
+        for fig in self.figures.values():
+            self._send_whole(fig)
+
+    @staticmethod
+    def _send_whole(fig) -> None:
+        """Return None after sending one Plotly.update that sets a figure's every trace property and its layout."""
         traces = [t.to_plotly_json() for t in fig.data]
         props = sorted({k for t in traces for k in t if k not in ("type", "uid")})
         fig._send_update_msg({k: [t.get(k) for t in traces] for k in props},
