@@ -291,6 +291,9 @@ def test_slider_reslices_the_dataset_into_every_figure():
     import asyncio
 
     ex.RESEND_AFTER_S = (0.01, 0.02)
+    states = []
+    for name, f in ex.figures.items():
+        f.send_state = lambda keys, name=name: states.append((name, tuple(keys)))
 
     async def cell_then_idle():
         ex._resend_soon()
@@ -298,6 +301,7 @@ def test_slider_reslices_the_dataset_into_every_figure():
 
     asyncio.run(cell_then_idle())
     assert [s[0] for s in sent[4:]] == list(ex.figures) * 2
+    assert states == [(name, ("_widget_data", "_widget_layout")) for name in ex.figures] * 2
     assert "at loop 3" in sent[4][2]["title"]["text"]
     ex._resend_soon()  # outside a kernel's loop: nothing scheduled, nothing sent
     assert len(sent) == 12

@@ -644,14 +644,15 @@ class LoopExplorer:
             return
         cls._send_whole(change["owner"])
 
-    # a whole-figure update goes again this many seconds after the first draw, once the cell has ended
-    RESEND_AFTER_S = (1.0, 3.0, 10.0, 30.0)
+    # a figure's whole state goes again this many seconds after the first draw, once the cell has ended
+    RESEND_AFTER_S = (1.0, 3.0, 10.0, 30.0, 60.0, 120.0)
 
     def _resend_soon(self) -> None:
         """Return None after asking the kernel's event loop to send every figure whole again a few times soon."""
-        # plotly 7's view reads the widget state, then awaits Plotly.newPlot; state or updates that reach it
-        # meanwhile are not drawn (CI runs under load showed the predictions plot untitled for 60 s). Updates
-        # sent after the cell has ended, while the browser renders the output, reach a view that has drawn.
+        # under load the browser may still be loading plotly's widget module when the first draw's messages
+        # arrive, and they are lost: CI runs showed all four plots blank and untitled, as at creation, for a
+        # minute with the kernel idle. Sent again once the module has loaded, the state reaches the browser's
+        # model (for views made later) and the update a view made meanwhile.
         import asyncio
 
         try:
@@ -662,8 +663,9 @@ class LoopExplorer:
             loop.call_later(seconds, self._send_all)
 
     def _send_all(self) -> None:
-        """Return None after sending each figure's whole current data and layout to its views."""
+        """Return None after sending each figure's state (kept data and layout) and a whole-figure update again."""
         for fig in self.figures.values():
+            fig.send_state(["_widget_data", "_widget_layout"])  # an unchanged trait is not sent by itself
             self._send_whole(fig)
 
     @staticmethod
