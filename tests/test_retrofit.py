@@ -691,7 +691,7 @@ def test_recipe_claims_read_each_seeds_phases_and_correct_over_the_family_of_six
         diag = np.array([0.0, 1.0, 0.95, 0.9, 0.8, 0.72, 0.5, 0.3]) + jitter  # held through depth 6: 1.5 K
         looped = np.array([0.0, 0.9, 0.9, 0.85, 0.7, 0.6, 0.4, 0.2]) + jitter
         pad = np.array([0.0, 0.9, 0.9, 0.85, 0.1, 0.05, 0.0, 0.0]) + jitter
-        attrs = {"loops": 4, "budget": "adapter"}
+        attrs = {"loops": 4, "budget": "adapter", "first_depth": 2}
         plant_recipe_run(tmp_path, "anneal", s, xr.Dataset(
             {"step_accuracy": ("depth", diag), "answer_accuracy": (("approach", "depth"), looped[None]),
              "seconds_per_answer": (("approach", "depth"), np.full((1, 8), 0.02))},
@@ -716,3 +716,18 @@ def test_recipe_claims_read_each_seeds_phases_and_correct_over_the_family_of_six
     assert held_multiple(acc, 4, 2) == 0.5  # held through depth 2 only: the dip at 3 ends it
     with pytest.raises(ValueError, match="no finished retrofit_recipe/anneal run"):
         recipe_claims(tmp_path / "empty")
+
+
+def test_an_anneal_phase_that_trained_nothing_hands_on_installs_weights(tmp_path):
+    no_anneal = {**RECIPE, "anneal_steps": 0}
+    rr.recipe_phase(tmp_path / "install", "install", **no_anneal)
+    rr.recipe_phase(tmp_path / "anneal", "anneal", checkpoint=str(tmp_path / "install"), **no_anneal)
+    assert not (tmp_path / "anneal" / "anneal").exists()  # no Trainer folder: nothing trained there
+    from_anneal, _, _ = rr._model(rr.recipe_setup(**no_anneal))
+    from_install, _, _ = rr._model(rr.recipe_setup(**no_anneal))
+    rr.load_phase_weights(from_anneal, tmp_path / "anneal")
+    rr.load_phase_weights(from_install, tmp_path / "install")
+    for (n, p), q in zip(from_anneal.state_dict().items(), from_install.state_dict().values()):
+        assert torch.equal(p, q), n
+    with pytest.raises(ValueError, match="budget='block' is invalid"):
+        rr.recipe_setup(budget="block")

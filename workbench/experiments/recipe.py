@@ -33,7 +33,7 @@ from ..data.tasks import iterated_examples, scratchpad_examples
 from ..io import RunDir, atomic_write_bytes, latest_checkpoint, load_tensors, load_weights, provenance, read_json
 from ..io import save_netcdf, save_results
 from ..models.hf import missing_model_files
-from ..models.retrofit import retrofit
+from ..models.retrofit import BUDGETS, retrofit
 from .retrofit import (BASE_PATH, _base_and_tokenizer, answer_sweep, check_base, depth_sweep, first_depth, loop1_check,
                        task_examples, train_retrofit)
 
@@ -49,6 +49,7 @@ def recipe_setup(base: str = "tiny", prelude: int = 1, core: int = 2, coda: int 
                  rule: str = "add", modulus: int = 10, seed: int = 0) -> dict:
     """Return the recipe's settings, checked, with eval_depths resolved (default 1..ceil(1.5 K) + 1)."""
     check_base(base)
+    check_choice("budget", budget, BUDGETS)
     K = check_int("loops", loops, 2)
     for name, value, low in (("prelude", prelude, 0), ("core", core, 1), ("coda", coda, 0), ("steps", steps, 1),
                              ("anneal_steps", anneal_steps, 0), ("inverse_steps", inverse_steps, 0),
@@ -135,10 +136,15 @@ def _trained_folders(run: Path) -> list[Path]:
 
 
 def load_phase_weights(model, upstream: str | Path) -> None:
-    """Return None after loading the weights a phase ended with (its last Trainer folder's last checkpoint)."""
+    """Return None after loading the weights a phase ended with: its last Trainer folder's last checkpoint, or,
+    when it trained nothing (anneal_steps 0), the weights its own upstream phase ended with."""
     folders = _trained_folders(Path(upstream))
     ckpt = latest_checkpoint(folders[-1]) if folders else None
     if ckpt is None:
+        before = read_json(RunDir(upstream).config, "recipe config").get("checkpoint") if RunDir(
+            upstream).config.exists() else ""
+        if before:
+            return load_phase_weights(model, before)
         fail("checkpoint", str(upstream), "holds no trained phase (no stage-* or anneal/ folder with a checkpoint)")
     state = read_json(ckpt / RunDir.CKPT_STATE, "checkpoint state")
     load_weights(model, load_tensors(ckpt / RunDir.CKPT_MODEL, state=state), state, ckpt)
@@ -184,7 +190,8 @@ def recipe_phase(out_dir, phase: str, checkpoint: str = "", progress: bool = Fal
     upstream = _check_upstream(phase, checkpoint, setup)
     out = RunDir(out_dir).path
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(RunDir(out).config, json.dumps({"phase": phase, "setup": setup}).encode())
+    record = {"phase": phase, "setup": setup, "checkpoint": "" if upstream is None else str(upstream)}
+    atomic_write_bytes(RunDir(out).config, json.dumps(record).encode())
     t0 = time.perf_counter()
     ds = {"install": _install, "anneal": _anneal, "scratchpad": _scratchpad, "inverse": _inverse}[phase](
         setup, out, upstream)
@@ -270,7 +277,8 @@ def _anneal(setup: dict, out: Path, upstream: Path) -> xr.Dataset:
         ds[f"loop1_{name}"] = check[name]
     acc = ds.step_accuracy
     below = [int(d) for d in acc.depth.values if d >= 2 and not acc.sel(depth=d) >= 0.7]
-    ds.attrs.update(extrapolation_depth=below[0] if below else 0, loop1_verdict=check.attrs["verdict"])
+    ds.attrs.update(extrapolation_depth=below[0] if below else 0, loop1_verdict=check.attrs["verdict"],
+                    first_depth=_stages(setup, model)[0])
     return ds
 
 

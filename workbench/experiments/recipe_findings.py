@@ -62,7 +62,7 @@ def held_multiple(step_accuracy: xr.DataArray, K: int, first: int) -> float:
 
 def _values(anneal: xr.Dataset, scratch: xr.Dataset | None, inverse: xr.Dataset | None) -> dict[str, float]:
     """Return one seed's number for each comparison its runs allow."""
-    K, first = int(anneal.attrs["loops"]), 2 if anneal.attrs.get("budget") == "adapter" else 1
+    K, first = int(anneal.attrs["loops"]), int(anneal.attrs["first_depth"])
     depths = anneal.depth.values
     within = depths[(depths >= first) & (depths <= K)]
     diag = anneal.step_accuracy
@@ -108,8 +108,8 @@ def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe"
         "per_seed": ((dim, "seed"), [[per[s].get(r["comparison"], np.nan) for s in seeds] for r in rows])}
     coords = {dim: [r["comparison"] for r in rows], "sign": (dim, [r["sign"] for r in rows]),
               "statistic": (dim, [r["statistic"] for r in rows]), "seed": seeds}
-    held = [held_multiple(anneal[s].step_accuracy, int(anneal[s].attrs["loops"]),
-                          2 if anneal[s].attrs.get("budget") == "adapter" else 1) for s in seeds]
+    held = [held_multiple(anneal[s].step_accuracy, int(anneal[s].attrs["loops"]), int(anneal[s].attrs["first_depth"]))
+            for s in seeds]
     ds = xr.Dataset(data, coords=coords)
     ds["held_multiple"] = ("seed", held, {"long_name": "deepest depth held at >= 0.7, over K (the paper: 1.5)"})
     m = len(COMPARISONS)

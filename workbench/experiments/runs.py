@@ -577,11 +577,11 @@ def train_notebook_args(**params) -> dict:
     model_fields = {f.name for f in dataclasses.fields(LoopConfig)}
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     overrides = {}
-    for name, into in (("model_overrides", model_fields), ("train_overrides", train_fields)):
+    for name, owner in (("model_overrides", "LoopConfig"), ("train_overrides", "TrainConfig")):
         given = params.pop(name, None)
         given = {} if given is None else given
         if not isinstance(given, dict):
-            fail(name, given, f"must be a mapping of {'LoopConfig' if into is model_fields else 'TrainConfig'} fields")
+            fail(name, given, f"must be a mapping of {owner} fields")
         overrides[name] = given
     nproc = check_int("nproc", params.get("nproc", 1), 1)
     for name in ("seq_len", "steps", "batch_size"):
