@@ -93,6 +93,19 @@ def spec(project, text=SPEC, name="spec.yaml"):
     return write_spec(project, text.replace("LOG", str(project / "log.txt")), name)
 
 
+def _stopped_output(runner: subprocess.Popen) -> tuple:
+    """Return a runner's output after killing it and what it started: a runner waiting on its kernel never ends."""
+    import psutil
+
+    try:
+        for p in psutil.Process(runner.pid).children(recursive=True):
+            p.kill()
+    except psutil.NoSuchProcess:
+        pass
+    runner.kill()
+    return runner.communicate(timeout=60)
+
+
 def executions(project) -> int:
     p = project / "log.txt"
     return len(p.read_text().splitlines()) if p.exists() else 0
@@ -287,7 +300,7 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
     try:
         deadline = time.monotonic() + 120
         while not (RunLock.busy(job.dir) and RunDir(job.dir).partial.exists()):
-            assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+            assert runner.poll() is None and time.monotonic() < deadline, _stopped_output(runner)
             time.sleep(0.05)
         for failed_only in ([], ["--failed"]):
             clean = subprocess.run([sys.executable, "-m", "workbench.cli", "clean", str(s), "--runs",
@@ -316,7 +329,7 @@ def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project):
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not any(RunLock.busy(j.dir) and RunDir(j.dir).partial.exists() for j in jobs):
-        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+        assert runner.poll() is None and time.monotonic() < deadline, _stopped_output(runner)
         time.sleep(0.05)
     time.sleep(1)  # the kernel is executing its cell
     os.killpg(runner.pid, signal.SIGINT)
@@ -335,18 +348,29 @@ def test_sigterm_to_workbench_run_stops_every_process_it_started(project):
     """
     import psutil
 
-    write_notebook(project / "notebooks" / "waits.ipynb",
-                   BODY.replace("import json, os, time", "import json, os, time\ntime.sleep(600)"))
+    # each kernel "saves" on SIGTERM as a training does: for 2 s, then writes saved.txt in its working folder.
+    # Sent SIGTERM beside its worker, a kernel was ended by ipykernel's parent poller within a second (os._exit
+    # as the worker died) and its checkpoint was lost.
+    saves = textwrap.dedent("""\
+        import json, os, signal, time
+        def _save(signum, frame):
+            time.sleep(2)
+            open("saved.txt", "w").write("saved")
+            os._exit(143)
+        signal.signal(signal.SIGTERM, _save)
+        open("listening.txt", "w").write("")
+        time.sleep(600)""")
+    write_notebook(project / "notebooks" / "waits.ipynb", BODY.replace("import json, os, time", saves))
     s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
     jobs = pipeline.expand(pipeline.load_spec(s), project / "runs")
     runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
                                "--quiet", "--jobs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
-    deadline = time.monotonic() + 120
-    while sum(RunLock.busy(j.dir) and RunDir(j.dir).partial.exists() for j in jobs) < 2:
-        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+    deadline = time.monotonic() + 180
+    # both kernels are executing their cells, their handlers installed (a fixed sleep was too short under load)
+    while sum(RunLock.busy(j.dir) and (RunDir(j.dir).partial / "listening.txt").exists() for j in jobs) < 2:
+        assert runner.poll() is None and time.monotonic() < deadline, _stopped_output(runner)
         time.sleep(0.05)
-    time.sleep(1)  # the kernels are executing their cells
     started = psutil.Process(runner.pid).children(recursive=True)
     assert sum("ipykernel" in " ".join(p.cmdline()) for p in started) == 2
     runner.send_signal(signal.SIGTERM)
@@ -359,6 +383,7 @@ def test_sigterm_to_workbench_run_stops_every_process_it_started(project):
     # the two runs cut short wait in their folders to restart; the queued third was never taken
     assert sorted(RunDir(j.dir).partial.exists() for j in jobs) == [False, True, True]
     assert not any(j.dir.exists() for j in jobs) and executions(project) == 0
+    assert sorted((RunDir(j.dir).partial / "saved.txt").exists() for j in jobs) == [False, True, True]
 
 
 @pytest.mark.parametrize("args, message", [
