@@ -391,14 +391,19 @@ def test_sigterm_to_workbench_run_stops_every_process_it_started(project):
     (["--executor", "dask", "--scheduler", "not an address"], "scheduler='not an address': cannot connect"),
 ])
 def test_a_bad_runs_folder_or_scheduler_is_one_line_before_anything_runs(project, capsys, args, message):
+    import dask
+
     file = project / "a-file"
     file.write_text("")
     s = spec(project)
     args = [a.replace("{file}", str(file)) for a in args]
+    before = dask.config.get("scheduler", None)
     assert cli(["run", str(s), *args]) == 2
     err = capsys.readouterr().err
     assert message.replace("{file}", str(file)) in err and len(err.strip().splitlines()) == 1, err
     assert executions(project) == 0
+    # the failed client is not left as dask's scheduler for this process (a later test's xarray tried to reach it)
+    assert dask.config.get("scheduler", None) == before
 
 
 @pytest.mark.slow

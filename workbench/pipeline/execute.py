@@ -286,7 +286,9 @@ class DaskExecutor:
             self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
             scheduler = self.cluster.scheduler_address
         try:
-            self.client = Client(scheduler, timeout="30s")
+            # not the process's default: a Client that failed to connect stayed dask's global scheduler until
+            # garbage-collected, and a later xarray or dask computation in the same process tried to reach it
+            self.client = Client(scheduler, timeout="30s", set_as_default=False)
         except (OSError, ValueError, TypeError) as e:  # unreachable (after the timeout) or not an address at all
             if self.cluster is not None:
                 self.cluster.close()
@@ -318,7 +320,7 @@ class DaskExecutor:
         for it in items:
             task = (_dask_execute, it, self.shares, attempt, self.threads) if fn is execute_run else (fn, it)
             futures[self.client.submit(*task, pure=False, key=f"{it.step}-{it.key}-{time.time_ns()}")] = it
-        for f in as_completed(futures):
+        for f in as_completed(futures, loop=self.client.loop):  # this client's loop: it is not dask's default
             try:
                 yield f.result()
             except Exception as e:  # the scheduler gave up on it (a worker died too often, lost data)
