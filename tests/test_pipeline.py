@@ -316,27 +316,46 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
     assert cli(["clean", str(s), "--runs", str(project / "runs")]) == 0 and not job.dir.exists()
 
 
-def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project):
-    """SIGINT to the runner's process group (a terminal's Ctrl-C) while a run executes: one line, exit 130."""
-    write_notebook(project / "notebooks" / "waits.ipynb",
-                   BODY.replace("import json, os, time", "import json, os, time\ntime.sleep(600)"))
-    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2]}}\n")
-    jobs = pipeline.expand(pipeline.load_spec(s), project / "runs")
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, jobs):
+    """SIGINT to the runner's process group (a terminal's Ctrl-C) while runs execute: one line, exit 130.
+
+    Each kernel saves as a training does (2 s, then saved.txt); with --jobs 2 and a third run queued, the
+    interrupted workers took the queued run and the runner waited 10 minutes for it.
+    """
+    saves = textwrap.dedent("""\
+        import json, os, signal, time
+        def _save(signum, frame):
+            time.sleep(2)
+            open("saved.txt", "w").write("saved")
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, _save)
+        open("listening.txt", "w").write("")
+        time.sleep(600)""")
+    write_notebook(project / "notebooks" / "waits.ipynb", BODY.replace("import json, os, time", saves))
+    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
+    runs = pipeline.expand(pipeline.load_spec(s), project / "runs")
     runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
-                               "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True,
+                               "--quiet", "--jobs", str(jobs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True,
                               # as in a terminal: a suite started in the background inherits SIGINT ignored
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 120
-    while not any(RunLock.busy(j.dir) and RunDir(j.dir).partial.exists() for j in jobs):
+    deadline = time.monotonic() + 180
+    while sum(RunLock.busy(j.dir) and (RunDir(j.dir).partial / "listening.txt").exists() for j in runs) < jobs:
         assert runner.poll() is None and time.monotonic() < deadline, _stopped_output(runner)
         time.sleep(0.05)
-    time.sleep(1)  # the kernel is executing its cell
     os.killpg(runner.pid, signal.SIGINT)
-    out, err = runner.communicate(timeout=120)
+    try:
+        out, err = runner.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the runner did not stop within 2 minutes of Ctrl-C: {_stopped_output(runner)}")
     assert runner.returncode == 130, (out, err)
     assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
-    assert "workbench run: interrupted; 0 of 2 runs complete, 2 will resume or start" in err, err
+    assert "workbench run: interrupted; 0 of 3 runs complete, 3 will resume or start" in err, err
+    # the interrupted runs saved in their folders; the queued one never started
+    saved = sorted((RunDir(j.dir).partial / "saved.txt").exists() for j in runs)
+    assert saved == [False] * (3 - jobs) + [True] * jobs
+    assert sum(RunDir(j.dir).partial.exists() for j in runs) == jobs
 
 
 @pytest.mark.slow

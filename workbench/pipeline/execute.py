@@ -210,13 +210,39 @@ class LocalExecutor:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=mp.get_context("spawn")) as pool:
-            futures = [pool.submit(fn, it) for it in items]
-            for f in as_completed(futures):
-                yield f.result()
+        ctx = mp.get_context("spawn")
+        stop = ctx.Event()
+        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=ctx, initializer=_pool_worker,
+                                 initargs=(stop,)) as pool:
+            futures = [pool.submit(_unless_stopped, fn, it) for it in items]
+            try:
+                for f in as_completed(futures):
+                    yield f.result()
+            except BaseException:  # Ctrl-C (or the caller stopped reading): start nothing more
+                # a worker interrupted with its run (a terminal's SIGINT reaches the workers too; each saves its
+                # kernel's checkpoint) took the next queued run, and leaving the pool then waited for it whole
+                stop.set()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
 
     def close(self) -> None:
         """Return None; nothing to release."""
+
+
+_STOP = None  # in a pool worker: the runner's event that says start no more runs
+
+
+def _pool_worker(stop) -> None:
+    """Return None after keeping the runner's stop event for _unless_stopped (a pool worker's initializer)."""
+    global _STOP
+    _STOP = stop
+
+
+def _unless_stopped(fn: Callable[[RunJob], dict], item: RunJob) -> dict | None:
+    """Return fn(item), or None without starting it once the runner was interrupted."""
+    if _STOP is not None and _STOP.is_set():
+        return None
+    return fn(item)
 
 
 def machine_cores() -> int:
