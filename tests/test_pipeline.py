@@ -316,12 +316,14 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
     assert cli(["clean", str(s), "--runs", str(project / "runs")]) == 0 and not job.dir.exists()
 
 
-@pytest.mark.parametrize("jobs", [1, 2])
-def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, jobs):
+@pytest.mark.parametrize("jobs, executor", [(1, "local"), (2, "local"),
+                                            pytest.param(2, "dask", marks=pytest.mark.slow)])
+def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, jobs, executor):
     """SIGINT to the runner's process group (a terminal's Ctrl-C) while runs execute: one line, exit 130.
 
-    Each kernel saves as a training does (2 s, then saved.txt); with --jobs 2 and a third run queued, the
-    interrupted workers took the queued run and the runner waited 10 minutes for it.
+    Each kernel saves as a training does (2 s, then saved.txt). With --jobs 2 and a third run queued, the
+    interrupted pool workers took the queued run and the runner waited 10 minutes for it; a local Dask
+    cluster's workers died at once, their kernels with them, unsaved, and dask printed a traceback.
     """
     saves = textwrap.dedent("""\
         import json, os, signal, time
@@ -330,13 +332,15 @@ def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, job
             open("saved.txt", "w").write("saved")
             raise KeyboardInterrupt
         signal.signal(signal.SIGINT, _save)
+        signal.signal(signal.SIGTERM, _save)
         open("listening.txt", "w").write("")
         time.sleep(600)""")
     write_notebook(project / "notebooks" / "waits.ipynb", BODY.replace("import json, os, time", saves))
     s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
     runs = pipeline.expand(pipeline.load_spec(s), project / "runs")
     runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
-                               "--quiet", "--jobs", str(jobs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--quiet", "--jobs", str(jobs), "--executor", executor],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True,
                               # as in a terminal: a suite started in the background inherits SIGINT ignored
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

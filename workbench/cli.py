@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -200,79 +199,16 @@ class Terminated(KeyboardInterrupt):
 
 
 def _forward_sigterm(signum, frame) -> None:
-    """Stop every process this runner started so each kernel saves first, then stop the runner.
+    """Stop every process this runner started, each kernel saving first (pipeline.stop_started), then the runner.
 
     A kernel runs in a session of its own, so a SIGTERM to the runner alone never reached it: the pool's
-    workers went on, finished their notebooks and took queued ones. Sending SIGTERM to workers and kernels
-    at once lost checkpoints: a worker dies at once, and ipykernel's parent poller then ends its kernel
-    (os._exit) while the kernel's training is still writing the checkpoint its SIGTERM asked for. So the
-    workers are paused first (SIGSTOP: a paused parent is still a parent), the kernels get SIGTERM and a
-    minute to save and exit, and only then are the workers resumed into their own SIGTERM. A run cut short
-    restarts in its folder next time.
+    workers went on, finished their notebooks and took queued ones. A run cut short restarts in its folder
+    next time.
     """
-    import psutil
+    from .pipeline.execute import stop_started
 
-    me = os.getsid(0)
-    procs = psutil.Process().children(recursive=True)
-    kernels = [p for p in procs if _leads_own_session(p, me)]  # started by a worker in a session of their own
-    inside = {c.pid for k in kernels for c in _children(k)}  # a kernel's own children are its to stop
-    workers = [p for p in procs if p not in kernels and p.pid not in inside]
-    for p in workers:
-        _signal(p, "suspend")
-    for p in kernels:
-        _signal(p, "terminate")
-    deadline = time.monotonic() + KERNEL_SAVE_SECONDS
-    while (alive := [p for p in kernels if _running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in alive:  # a kernel stuck in a native call: it cannot save; do not hang the runner on it
-        _signal(p, "kill")
-    for p in workers:
-        _signal(p, "terminate")
-        _signal(p, "resume")  # the pending SIGTERM is delivered as it continues
+    stop_started()
     raise Terminated()
-
-
-# Seconds `workbench run` waits on SIGTERM for its kernels to save their checkpoints and exit (a checkpoint of
-# the largest laptop model is written in a few seconds; SmolLM2's adapter checkpoint in well under one).
-KERNEL_SAVE_SECONDS = 60
-
-
-def _leads_own_session(p, runner_session: int) -> bool:
-    """Return whether process p leads a session other than the runner's (how a kernel is started)."""
-    try:
-        return os.getsid(p.pid) == p.pid != runner_session
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _running(p) -> bool:
-    """Return whether p still runs: a kernel that exited stays a zombie until its paused worker reaps it."""
-    import psutil
-
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _children(p) -> list:
-    """Return p's descendants, or [] when p is gone."""
-    import psutil
-
-    try:
-        return p.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _signal(p, how: str) -> None:
-    """Call p.<how>() (suspend, resume, terminate, kill), ignoring a process that has already gone."""
-    import psutil
-
-    try:
-        getattr(p, how)()
-    except psutil.NoSuchProcess:
-        pass
 
 
 def _pipeline_cmd(args: argparse.Namespace) -> int:

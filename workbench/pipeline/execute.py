@@ -214,28 +214,105 @@ class LocalExecutor:
         stop = ctx.Event()
         with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=ctx, initializer=_pool_worker,
                                  initargs=(stop,)) as pool:
-            futures = [pool.submit(_unless_stopped, fn, it) for it in items]
+            # the workers ignore Ctrl-C: reacting to it themselves, they took the next queued run (and leaving
+            # the pool waited for it whole), or papermill shut their kernel down before its training had saved
+            futures = _quiet_on_ctrl_c(lambda: [pool.submit(_unless_stopped, fn, it) for it in items])
             try:
                 for f in as_completed(futures):
                     yield f.result()
-            except BaseException:  # Ctrl-C (or the caller stopped reading): start nothing more
-                # a worker interrupted with its run (a terminal's SIGINT reaches the workers too; each saves its
-                # kernel's checkpoint) took the next queued run, and leaving the pool then waited for it whole
+            except BaseException:  # Ctrl-C (or the caller stopped reading): start nothing more; kernels save
                 stop.set()
                 pool.shutdown(wait=False, cancel_futures=True)
+                stop_started()
                 raise
 
     def close(self) -> None:
         """Return None; nothing to release."""
 
 
+# Seconds a runner that is stopping waits for its kernels to save their checkpoints and exit (a training saves
+# after its current step: well under a minute for every laptop profile, SmolLM2's retrofit included).
+KERNEL_SAVE_SECONDS = 60
+
+
+def stop_started(timeout: float = KERNEL_SAVE_SECONDS) -> None:
+    """Return None after stopping every process this one started, each kernel first saving what it can.
+
+    Signalling workers and kernels at once lost checkpoints: a worker died at once, and ipykernel's parent
+    poller then ended its kernel (os._exit) while the kernel's training was still writing the checkpoint its
+    SIGTERM asked for. So the workers (pool or Dask processes: this process's session) are paused first (a
+    paused parent is still a parent), the kernels (each leads a session of its own) get SIGTERM and `timeout`
+    seconds to save and exit, and only then are the workers resumed into their own SIGTERM.
+    """
+    import psutil
+
+    me = os.getsid(0)
+    procs = psutil.Process().children(recursive=True)
+    kernels = [p for p in procs if _leads_own_session(p, me)]
+    inside = {c.pid for k in kernels for c in _children(k)}  # a kernel's own children are its to stop
+    workers = [p for p in procs if p not in kernels and p.pid not in inside]
+    for p in workers:
+        _signal(p, "suspend")
+    for p in kernels:
+        _signal(p, "terminate")
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in kernels if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in alive:  # a kernel stuck in a native call: it cannot save; do not hang the runner on it
+        _signal(p, "kill")
+    for p in workers:
+        _signal(p, "terminate")
+        _signal(p, "resume")  # the pending SIGTERM is delivered as it continues
+
+
+def _leads_own_session(p, session: int) -> bool:
+    """Return whether process p leads a session other than `session` (how a kernel is started)."""
+    try:
+        return os.getsid(p.pid) == p.pid != session
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _running(p) -> bool:
+    """Return whether p still runs: a kernel that exited stays a zombie until its paused worker reaps it."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _children(p) -> list:
+    """Return p's descendants, or [] when p is gone."""
+    import psutil
+
+    try:
+        return p.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal(p, how: str) -> None:
+    """Return None after calling p.<how>() (suspend, resume, terminate, kill); a process already gone is skipped."""
+    import psutil
+
+    try:
+        getattr(p, how)()
+    except psutil.NoSuchProcess:
+        pass
+
+
 _STOP = None  # in a pool worker: the runner's event that says start no more runs
 
 
 def _pool_worker(stop) -> None:
-    """Return None after keeping the runner's stop event for _unless_stopped (a pool worker's initializer)."""
+    """Return None after keeping the runner's stop event for _unless_stopped and ignoring Ctrl-C (the runner acts)."""
+    import signal
+
     global _STOP
     _STOP = stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _unless_stopped(fn: Callable[[RunJob], dict], item: RunJob) -> dict | None:
@@ -243,6 +320,24 @@ def _unless_stopped(fn: Callable[[RunJob], dict], item: RunJob) -> dict | None:
     if _STOP is not None and _STOP.is_set():
         return None
     return fn(item)
+
+
+def _quiet_on_ctrl_c(start: Callable):
+    """Return start() called with SIGINT ignored, so the processes it spawns ignore a terminal's Ctrl-C.
+
+    A local Dask cluster's workers died at Ctrl-C and their kernels went with them (ipykernel's parent poller)
+    before the trainings saved; the runner stops them in order instead (stop_started).
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return start()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return start()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def machine_cores() -> int:
@@ -309,7 +404,8 @@ class DaskExecutor:
         self.cluster = None
         if scheduler is None:
             n = jobs if jobs > 1 else machine_cores()
-            self.cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
+            self.cluster = _quiet_on_ctrl_c(lambda: LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                                                  dashboard_address=None))
             scheduler = self.cluster.scheduler_address
         try:
             # not the process's default: a Client that failed to connect stayed dask's global scheduler until
@@ -346,11 +442,16 @@ class DaskExecutor:
         for it in items:
             task = (_dask_execute, it, self.shares, attempt, self.threads) if fn is execute_run else (fn, it)
             futures[self.client.submit(*task, pure=False, key=f"{it.step}-{it.key}-{time.time_ns()}")] = it
-        for f in as_completed(futures, loop=self.client.loop):  # this client's loop: it is not dask's default
-            try:
-                yield f.result()
-            except Exception as e:  # the scheduler gave up on it (a worker died too often, lost data)
-                yield record_failed(futures[f], f"{type(e).__name__}: {e} (on the Dask cluster)")
+        try:
+            for f in as_completed(futures, loop=self.client.loop):  # this client's loop: not dask's default
+                try:
+                    yield f.result()
+                except Exception as e:  # the scheduler gave up on it (a worker died too often, lost data)
+                    yield record_failed(futures[f], f"{type(e).__name__}: {e} (on the Dask cluster)")
+        except BaseException:  # Ctrl-C: the local cluster's workers ignored it; their kernels save, then all stop
+            if self.cluster is not None:
+                stop_started()
+            raise
 
     def close(self) -> None:
         """Return None after closing the client connection (and the local cluster this executor started)."""
