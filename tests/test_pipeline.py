@@ -321,15 +321,23 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
 def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, jobs, executor):
     """SIGINT to the runner's process group (a terminal's Ctrl-C) while runs execute: one line, exit 130.
 
-    Each kernel saves as a training does (2 s, then saved.txt). With --jobs 2 and a third run queued, the
-    interrupted pool workers took the queued run and the runner waited 10 minutes for it; a local Dask
-    cluster's workers died at once, their kernels with them, unsaved, and dask printed a traceback.
+    Each kernel saves as a training does: 4 s (a training finishes its step first), then saved.txt; a second
+    signal meanwhile stops it unsaved. Run by the runner itself, a kernel got SIGTERM 2.5 s after SIGINT
+    (jupyter_client's shutdown); with --jobs 2 and a third run queued, the interrupted pool workers took the
+    queued run and the runner waited 10 minutes for it; a local Dask cluster's workers died at once, their
+    kernels with them, unsaved, and dask printed a traceback.
     """
     saves = textwrap.dedent("""\
         import json, os, signal, time
+        saving = []
         def _save(signum, frame):
-            time.sleep(2)
+            if saving:
+                os._exit(1)  # asked twice: stop now, unsaved
+            saving.append(signum)
+            time.sleep(4)
             open("saved.txt", "w").write("saved")
+            if signum == signal.SIGTERM:
+                os._exit(143)
             raise KeyboardInterrupt
         signal.signal(signal.SIGINT, _save)
         signal.signal(signal.SIGTERM, _save)

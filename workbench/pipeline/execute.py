@@ -70,7 +70,14 @@ def socket_kernel_manager_class():
 def _kernel_manager_class():
     """Return a socket kernel manager that sends the kernel's stderr to kernel.log in its working directory."""
 
+    from traitlets import Float
+
     class RunKernelManager(socket_kernel_manager_class()):
+        # a kernel shut down while busy (Ctrl-C of a runner executing runs itself) gets SIGINT, SIGTERM half this
+        # later, then SIGKILL: jupyter_client's 5 s sent SIGTERM 2.5 s after SIGINT, while the training was
+        # still finishing its step and saving, and a second signal stops a training unsaved
+        shutdown_wait_time = Float(2.0 * KERNEL_SAVE_SECONDS)
+
         # the kernel's own log lines (and any C-level crash message) stay with the run, not on the terminal
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             with open(RunDir(kw.get("cwd") or ".").kernel_log, "ab") as log:
