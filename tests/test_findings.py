@@ -756,19 +756,23 @@ def test_the_first_conditioning_seeds_runs_hold_what_the_document_says_was_seen(
     from workbench.experiments.conditioning_findings import _accuracy
 
     acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")  # collect() wrote docs/findings/<name>/<step>/
-    assert K == 4 and {("plain", 0), ("plain", 1), ("BaseLoop", 0)} <= set(acc)
+    assert K == 4 and {("plain", 0), ("plain", 1), ("plain", 2), ("BaseLoop", 0)} <= set(acc)
     text = section((DOCS / "findings.md").read_text(), "Loop conditioning")
     base = acc["BaseLoop", 0]
     quoted = [float(base.sel(group="reasoning", loop=x)) for x in (4, 8, 12)] + \
         [float(base.sel(group="knowledge", loop=x)) for x in (4, 8)]
-    assert "BaseLoop seed 0 (same commit): reasoning {:.2f} at K,\n{:.2f} at 2K, {:.2f} at 3K, knowledge {:.2f} at K " \
+    assert "BaseLoop seed 0,\nreasoning {:.2f} at K,\n{:.2f} at 2K, {:.2f} at 3K, knowledge {:.2f} at K " \
            "and {:.2f} at 2K".format(*quoted) in text
+    third = acc["plain", 2]
+    quoted = [float(third.sel(group="reasoning", loop=x)) for x in (4, 8, 12)] + \
+        [float(third.sel(group="knowledge", loop=8))]
+    assert "plain seed 2, reasoning {:.2f} at\nK, {:.2f} at 2K, {:.2f} at 3K, knowledge {:.2f} at 2K".format(*quoted) in text
     for seed, (at_k, at_2k, at_3k, know_2k) in {0: (0.77, 0.67, 0.33, 0.92), 1: (0.63, 0.48, 0.23, 0.97)}.items():
         r = acc["plain", seed].sel(group="reasoning")
         assert [round(float(r.sel(loop=x)), 2) for x in (4, 8, 12)] == [at_k, at_2k, at_3k]
         assert round(float(acc["plain", seed].sel(group="knowledge", loop=8)), 2) == know_2k
         for v in (at_k, at_2k, at_3k, know_2k):
             assert f"{v:.2f}" in text
-    for key in ("69cc6c8cbfef7f0f", "79b57b760aa13e7e", "e856fa4a64d8ca29"):
+    for key in ("69cc6c8cbfef7f0f", "79b57b760aa13e7e", "e856fa4a64d8ca29", "59b5cc5b254ea1e7"):
         attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
         assert attrs["git_commit"].startswith("aa01528") and "`aa01528`" in text
