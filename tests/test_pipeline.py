@@ -106,6 +106,34 @@ def _stopped_output(runner: subprocess.Popen) -> tuple:
     return runner.communicate(timeout=60)
 
 
+# A notebook whose kernel saves on SIGINT or SIGTERM as a training does: 4 s (a training finishes its step
+# first), then saved.txt in its working folder; a second signal meanwhile stops it unsaved. After SIGTERM it
+# exits; after SIGINT the cell ends with KeyboardInterrupt. listening.txt says the handlers are installed.
+SAVES_ON_SIGNAL = textwrap.dedent("""\
+    import json, os, signal, time
+    saving = []
+    def _save(signum, frame):
+        if saving:
+            os._exit(1)  # asked twice: stop now, unsaved
+        saving.append(signum)
+        time.sleep(4)
+        open("saved.txt", "w").write("saved")
+        if signum == signal.SIGTERM:
+            os._exit(143)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, _save)
+    signal.signal(signal.SIGTERM, _save)
+    open("listening.txt", "w").write("")
+    time.sleep(600)""")
+
+
+def _project_whose_kernels_save(project: Path) -> tuple[Path, list]:
+    """Return (spec, runs) of a one-step pipeline of three runs whose kernels save on a signal (SAVES_ON_SIGNAL)."""
+    write_notebook(project / "notebooks" / "waits.ipynb", BODY.replace("import json, os, time", SAVES_ON_SIGNAL))
+    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
+    return s, pipeline.expand(pipeline.load_spec(s), project / "runs")
+
+
 def executions(project) -> int:
     p = project / "log.txt"
     return len(p.read_text().splitlines()) if p.exists() else 0
@@ -321,31 +349,13 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
 def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, jobs, executor):
     """SIGINT to the runner's process group (a terminal's Ctrl-C) while runs execute: one line, exit 130.
 
-    Each kernel saves as a training does: 4 s (a training finishes its step first), then saved.txt; a second
-    signal meanwhile stops it unsaved. Run by the runner itself, a kernel got SIGTERM 2.5 s after SIGINT
+    Each kernel saves as a training does (SAVES_ON_SIGNAL). Run by the runner itself, a kernel got SIGTERM 2.5 s
+    after SIGINT
     (jupyter_client's shutdown); with --jobs 2 and a third run queued, the interrupted pool workers took the
     queued run and the runner waited 10 minutes for it; a local Dask cluster's workers died at once, their
     kernels with them, unsaved, and dask printed a traceback.
     """
-    saves = textwrap.dedent("""\
-        import json, os, signal, time
-        saving = []
-        def _save(signum, frame):
-            if saving:
-                os._exit(1)  # asked twice: stop now, unsaved
-            saving.append(signum)
-            time.sleep(4)
-            open("saved.txt", "w").write("saved")
-            if signum == signal.SIGTERM:
-                os._exit(143)
-            raise KeyboardInterrupt
-        signal.signal(signal.SIGINT, _save)
-        signal.signal(signal.SIGTERM, _save)
-        open("listening.txt", "w").write("")
-        time.sleep(600)""")
-    write_notebook(project / "notebooks" / "waits.ipynb", BODY.replace("import json, os, time", saves))
-    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
-    runs = pipeline.expand(pipeline.load_spec(s), project / "runs")
+    s, runs = _project_whose_kernels_save(project)
     runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
                                "--quiet", "--jobs", str(jobs), "--executor", executor],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -379,21 +389,9 @@ def test_sigterm_to_workbench_run_stops_every_process_it_started(project):
     """
     import psutil
 
-    # each kernel "saves" on SIGTERM as a training does: for 2 s, then writes saved.txt in its working folder.
     # Sent SIGTERM beside its worker, a kernel was ended by ipykernel's parent poller within a second (os._exit
     # as the worker died) and its checkpoint was lost.
-    saves = textwrap.dedent("""\
-        import json, os, signal, time
-        def _save(signum, frame):
-            time.sleep(2)
-            open("saved.txt", "w").write("saved")
-            os._exit(143)
-        signal.signal(signal.SIGTERM, _save)
-        open("listening.txt", "w").write("")
-        time.sleep(600)""")
-    write_notebook(project / "notebooks" / "waits.ipynb", BODY.replace("import json, os, time", saves))
-    s = spec(project, "name: one\nsteps:\n  - {name: a, notebook: waits, grid: {x: [1, 2, 3]}}\n")
-    jobs = pipeline.expand(pipeline.load_spec(s), project / "runs")
+    s, jobs = _project_whose_kernels_save(project)
     runner = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", str(s), "--runs", str(project / "runs"),
                                "--quiet", "--jobs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
