@@ -344,7 +344,7 @@ def test_clean_while_a_run_executes_is_refused_and_removes_nothing(project):
     assert cli(["clean", str(s), "--runs", str(project / "runs")]) == 0 and not job.dir.exists()
 
 
-@pytest.mark.parametrize("jobs, executor", [(1, "local"), (2, "local"),
+@pytest.mark.parametrize("jobs, executor", [(1, "local"), pytest.param(2, "local", marks=pytest.mark.slow),
                                             pytest.param(2, "dask", marks=pytest.mark.slow)])
 def test_ctrl_c_of_workbench_run_says_one_line_and_what_will_resume(project, jobs, executor):
     """SIGINT to the runner's process group (a terminal's Ctrl-C) while runs execute: one line, exit 130.
