@@ -215,20 +215,19 @@ class LocalExecutor:
             yield from map(fn, items)
             return
         import multiprocessing as mp
+        import signal
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        ctx = mp.get_context("spawn")
-        stop = ctx.Event()
-        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=ctx, initializer=_pool_worker,
-                                 initargs=(stop,)) as pool:
-            # the workers ignore Ctrl-C: reacting to it themselves, they took the next queued run (and leaving
-            # the pool waited for it whole), or papermill shut their kernel down before its training had saved
-            futures = _quiet_on_ctrl_c(lambda: [pool.submit(_unless_stopped, fn, it) for it in items])
+        # the workers ignore Ctrl-C and the runner stops them (stop_started): reacting to it themselves, they
+        # took the next queued run (and leaving the pool waited for it whole), or papermill shut their kernel
+        # down before its training had saved
+        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=mp.get_context("spawn"),
+                                 initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+            futures = [pool.submit(fn, it) for it in items]
             try:
                 for f in as_completed(futures):
                     yield f.result()
             except BaseException:  # Ctrl-C (or the caller stopped reading): start nothing more; kernels save
-                stop.set()
                 pool.shutdown(wait=False, cancel_futures=True)
                 stop_started()
                 raise
@@ -308,25 +307,6 @@ def _signal(p, how: str) -> None:
         getattr(p, how)()
     except psutil.NoSuchProcess:
         pass
-
-
-_STOP = None  # in a pool worker: the runner's event that says start no more runs
-
-
-def _pool_worker(stop) -> None:
-    """Return None after keeping the runner's stop event for _unless_stopped and ignoring Ctrl-C (the runner acts)."""
-    import signal
-
-    global _STOP
-    _STOP = stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _unless_stopped(fn: Callable[[RunJob], dict], item: RunJob) -> dict | None:
-    """Return fn(item), or None without starting it once the runner was interrupted."""
-    if _STOP is not None and _STOP.is_set():
-        return None
-    return fn(item)
 
 
 def _quiet_on_ctrl_c(start: Callable):
