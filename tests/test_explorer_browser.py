@@ -239,8 +239,9 @@ def test_explorer_runs_in_jupyterlab_and_the_slider_moves_the_plots(lab, tmp_pat
                 page.wait_for_selector(f".wb-explorer .wb-explorer-{name} .main-svg",
                                        state="attached", timeout=FIRST_RENDER_MS)
             page.locator(".wb-explorer .widget-slider").first.scroll_into_view_if_needed()
+            # a view drawn from stale state is sent the figure whole within a minute (explorer._resend_soon)
             page.wait_for_function(f"() => {{ const r = ({PLOT})('.wb-explorer-predictions');"
-                                   "return r && r.text.includes('at loop'); }", timeout=60_000)
+                                   "return r && r.text.includes('at loop'); }", timeout=90_000)
             assert "Error displaying widget" not in page.inner_text("body")
             assert page.locator(".wb-explorer .wb-explorer-trajectory").count() == 1
             pos0 = page.inner_text(".wb-explorer-position")
@@ -296,6 +297,8 @@ def test_explorer_runs_in_jupyterlab_and_the_slider_moves_the_plots(lab, tmp_pat
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
             print(page.evaluate(OUTLINE))
+            for name in ("predictions", "curves", "heatmap"):  # what each plot showed, title included
+                print(name, str(page.evaluate(PLOT, f".wb-explorer-{name}"))[:600])
             print("\n".join(log[-40:]))
             print((tmp_path / "server.log").read_text()[-4000:])
             raise

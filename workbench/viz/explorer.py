@@ -214,6 +214,7 @@ class LoopExplorer:
         for fig in self.figures.values():  # the browser reports each view it draws (see _refresh_new_view)
             fig._view_count = 0
             fig.observe(self._refresh_new_view, names="_view_count")
+            fig.observe(self._refresh_stale_view, names="_js2py_layoutDelta")
         # stable hooks for the browser test and custom CSS, on a plain box around each figure: a class set on
         # the plotly widget itself was missing from its element in one loaded CI run (its view draws late)
         panels = {name: W.Box([fig]).add_class(f"wb-explorer-{name}") for name, fig in self.figures.items()}
@@ -644,8 +645,38 @@ class LoopExplorer:
             return
         cls._send_whole(change["owner"])
 
-    # a figure's whole state goes again this many seconds after the first draw, once the cell has ended
-    RESEND_AFTER_S = (1.0, 3.0, 10.0, 30.0, 60.0, 120.0)
+    @staticmethod
+    def _refresh_stale_view(change) -> None:
+        """Send a figure whole again, once, when a view reports drawing an older edit than the kernel's latest."""
+        # a plotly view reports each draw (its first, and each update's) with the edit id it has reached; an id
+        # behind the kernel's means messages were lost (or are in flight: hence the check a second later, which
+        # a report of the latest id in the meantime makes moot). A resend's own report is the latest id.
+        import asyncio
+
+        fig, msg = change["owner"], change["new"]
+        if not msg or "layout_edit_id" not in msg:
+            return
+        fig._wb_last_report = int(msg["layout_edit_id"])
+        target = fig._last_layout_edit_id
+        if fig._wb_last_report >= target or getattr(fig, "_wb_check_pending", False):
+            return
+
+        def check():
+            fig._wb_check_pending = False
+            if fig._wb_last_report < target:
+                fig.send_state(["_widget_data", "_widget_layout"])
+                LoopExplorer._send_whole(fig)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return check()  # no kernel loop: nothing else can arrive meanwhile
+        fig._wb_check_pending = True
+        loop.call_later(1.0, check)
+
+    # a figure's whole state goes again this many seconds after the first draw, once the cell has ended: a loaded
+    # browser may draw its first view minutes later (CI allows 3 minutes), so the resends go on for 10 minutes
+    RESEND_AFTER_S = (1.0, 3.0, 10.0, 30.0) + tuple(60.0 * m for m in range(1, 11))
 
     def _resend_soon(self) -> None:
         """Return None after asking the kernel's event loop to send every figure whole again a few times soon."""
