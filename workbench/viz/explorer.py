@@ -26,7 +26,6 @@ to its last `max_seq_len` tokens, with a note saying so.
 
 from __future__ import annotations
 
-import copy
 import html
 import os
 
@@ -39,6 +38,7 @@ from ..models.looped import LoopLM
 from ..config import check_int
 from ..probes.protocol import Loopable, from_transformers
 from ..probes.view import loop_view
+from .figure_sync import FigureSync
 from .figures import integer_ticks
 
 DEFAULT_TEXT = ('def greet(name):\n    """Return a greeting for name."""\n'
@@ -211,13 +211,10 @@ class LoopExplorer:
                                    "and with the KL exit rule (up to max_loops)")
         self.generated = W.HTML()
         self.figures = self._build_figures()
-        for fig in self.figures.values():  # the browser reports each view it draws (see _refresh_new_view)
-            fig._view_count = 0
-            fig.observe(self._refresh_new_view, names="_view_count")
-            fig.observe(self._refresh_stale_view, names="_js2py_layoutDelta")
         # stable hooks for the browser test and custom CSS, on a plain box around each figure: a class set on
         # the plotly widget itself was missing from its element in one loaded CI run (its view draws late)
         panels = {name: W.Box([fig]).add_class(f"wb-explorer-{name}") for name, fig in self.figures.items()}
+        self.sync = FigureSync(self.figures, panels)  # keeps the views drawn when the browser drops messages
         # while the explorer itself sets a control (_syncing), its observer must not act on it
         self.prompt.observe(self._guard(lambda ch: self._syncing or self.set_text(ch["new"])), "value")
         self.slider.observe(self._guard(lambda ch: self._syncing or self.set_loop(ch["new"])), "value")
@@ -248,7 +245,6 @@ class LoopExplorer:
             if self.model is None:
                 raise
             self._say(str(e), "error")
-        self._resend_soon()
 
     # ---- display --------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kw):
@@ -632,86 +628,4 @@ class LoopExplorer:
         h = self.figures["heatmap"]
         with h.batch_update():
             h.layout.shapes[0].x0 = h.layout.shapes[0].x1 = r
-        self._keep_state()
-
-    @classmethod
-    def _refresh_new_view(cls, change) -> None:
-        """Send a figure's whole current data and layout to its views when the browser reports a new one."""
-        # a view draws from the widget state it holds when it is made; under load the browser may make it before
-        # the latest state has arrived, and plotly's view never redraws for a later state (a loaded CI run showed
-        # blank, untitled plots). A Plotly.update with everything, sent once a view exists, redraws it whole.
-        # (plotly 5's views report themselves in _view_count; plotly 7's anywidget views do not: _resend_soon)
-        if (change["new"] or 0) <= (change["old"] or 0):
-            return
-        cls._send_whole(change["owner"])
-
-    @staticmethod
-    def _refresh_stale_view(change) -> None:
-        """Send a figure whole again, once, when a view reports drawing an older edit than the kernel's latest."""
-        # a plotly view reports each draw (its first, and each update's) with the edit id it has reached; an id
-        # behind the kernel's means messages were lost (or are in flight: hence the check a second later, which
-        # a report of the latest id in the meantime makes moot). A resend's own report is the latest id.
-        import asyncio
-
-        fig, msg = change["owner"], change["new"]
-        if not msg or "layout_edit_id" not in msg:
-            return
-        fig._wb_last_report = int(msg["layout_edit_id"])
-        target = fig._last_layout_edit_id
-        if fig._wb_last_report >= target or getattr(fig, "_wb_check_pending", False):
-            return
-
-        def check():
-            fig._wb_check_pending = False
-            if fig._wb_last_report < target:
-                fig.send_state(["_widget_data", "_widget_layout"])
-                LoopExplorer._send_whole(fig)
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return check()  # no kernel loop: nothing else can arrive meanwhile
-        fig._wb_check_pending = True
-        loop.call_later(1.0, check)
-
-    # a figure's whole state goes again this many seconds after the first draw, once the cell has ended: a loaded
-    # browser may draw its first view minutes later (CI allows 3 minutes), so the resends go on for 10 minutes
-    RESEND_AFTER_S = (1.0, 3.0, 10.0, 30.0) + tuple(60.0 * m for m in range(1, 11))
-
-    def _resend_soon(self) -> None:
-        """Return None after asking the kernel's event loop to send every figure whole again a few times soon."""
-        # under load the browser may still be loading plotly's widget module when the first draw's messages
-        # arrive, and they are lost: CI runs showed all four plots blank and untitled, as at creation, for a
-        # minute with the kernel idle. Sent again once the module has loaded, the state reaches the browser's
-        # model (for views made later) and the update a view made meanwhile.
-        import asyncio
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no kernel loop (plain Python): views made later draw from the kept state
-        for seconds in self.RESEND_AFTER_S:
-            loop.call_later(seconds, self._send_all)
-
-    def _send_all(self) -> None:
-        """Return None after sending each figure's state (kept data and layout) and a whole-figure update again."""
-        for fig in self.figures.values():
-            fig.send_state(["_widget_data", "_widget_layout"])  # an unchanged trait is not sent by itself
-            self._send_whole(fig)
-
-    @staticmethod
-    def _send_whole(fig) -> None:
-        """Return None after sending one Plotly.update that sets a figure's every trace property and its layout."""
-        traces = [t.to_plotly_json() for t in fig.data]
-        props = sorted({k for t in traces for k in t if k not in ("type", "uid")})
-        fig._send_update_msg({k: [t.get(k) for t in traces] for k in props},
-                             fig.layout.to_plotly_json(), list(range(len(traces))))
-
-    def _keep_state(self) -> None:
-        """Store each figure's current data and layout as its widget state, which a view is first drawn from."""
-        # a batch_update reaches the browser as a one-off message: a view drawn later, or a browser still loading
-        # plotly's widget module when the first draw was sent (a loaded CI run showed an untitled plot), never sees
-        # it. FigureWidget stores its state like this in its own _repr_mimebundle_, which a figure inside a Box
-        # never gets; the view ignores changes to this state, so nothing is drawn twice.
-        for f in self.figures.values():
-            f._widget_data, f._widget_layout = copy.deepcopy(f._data), copy.deepcopy(f._layout_obj._props)
+        self.sync.keep_state()
