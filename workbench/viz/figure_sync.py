@@ -10,12 +10,13 @@ CI machines, to leave a view blank or stale:
    reached (`_js2py_traceDeltas`; its layout reports never arrive: plotly 7's view sends them as
    `_js2py_widget_layoutDelta`, a name the kernel side does not know); a report behind the kernel's latest
    id, not caught up a second later, gets the figure sent whole (state and one Plotly.update);
-3. a model that drops every message: plotly >= 6 builds FigureWidget on anywidget, and anywidget (0.9.16 to
-   0.11 at least) gives a model 2 s to load its module (plotly's, 5 MB) and then, if it is not loaded, makes
+3. a model that drops every message: plotly >= 6 builds FigureWidget on anywidget, and anywidget (0.9.21 to
+   0.11.0, checked) gives a model 2 s to load its module (plotly's, 5 MB) and then, if it is not loaded, makes
    the model ignore every message from the kernel for good. On a loaded machine the first figures' load takes
    longer, and their views show the empty state the widget was opened with whatever is sent (a CI run: the
    first two plots without a trace, the later ones drawn). Such a view reports edit 0 while the kernel is past
-   it: the figure is replaced by a fresh widget with the same data and layout (the module is loaded by then).
+   it: the figure is replaced by a fresh widget with the same data and layout (which imports the module again,
+   but alone and after the first rush, so within the limit as a rule; at most MAX_REPLACEMENTS tries).
 """
 
 from __future__ import annotations
