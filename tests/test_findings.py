@@ -810,4 +810,12 @@ def test_the_first_retrofit_phase_holds_what_the_document_says_was_seen():
         assert record["status"] == "done" and record["params"]["seed"] == seed, key
         assert round(record["seconds"] / 60) == minutes and f"{minutes} minutes" in text, key
         assert ds["attrs"]["git_commit"].startswith("8f09c3d"), key
+    # the anneal phase of seed 0: the diagonal per depth
+    run = DOCS / "findings" / "retrofit" / "anneal" / "00bc130ce1433613"
+    ds = run_file(run / "results.nc", "depth", "step_accuracy")
+    record = json.loads((run / "run.json").read_text())
+    acc = {int(d): f"{float(a):.2f}" for d, a in zip(ds["depth"], ds["step_accuracy"])}
+    assert (f"diagonal\naccuracy {acc[2]} at depth 2, {acc[3]} at 3 and {acc[4]} at 4 (K); beyond K {acc[5]}, {acc[6]}, "
+            f"{acc[7]} and {acc[8]} at depths 5-8").replace("\n", " ") in text
+    assert record["status"] == "done" and record["params"]["seed"] == 0 and round(record["seconds"] / 60) == 10
 
