@@ -21,6 +21,7 @@ CI machines, to leave a view blank or stale:
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 
@@ -35,6 +36,8 @@ class FigureSync:
         self.figures = figures  # the caller's dict: a replacement takes the name's place in it
         self.panels = panels
         self.replacements = {name: 0 for name in figures}
+        self.last_report = {name: 0 for name in figures}  # the trace edit each figure's view last reported
+        self.pending: set[str] = set()  # figures whose stale report waits for its check
         for name, fig in figures.items():
             self._watch(name, fig)
 
@@ -71,26 +74,24 @@ class FigureSync:
         fig, msg = change["owner"], change["new"]
         if not msg or "trace_edit_id" not in msg or fig is not self.figures.get(name):
             return  # the reset to None after plotly's handler, or a replaced widget's last words
-        fig._wb_last_report = reported = int(msg["trace_edit_id"])
+        self.last_report[name] = reported = int(msg["trace_edit_id"])
         target = fig._last_trace_edit_id
         if reported >= target:
             return
         if reported == 0 and self.replacements[name] < self.MAX_REPLACEMENTS:
             self.replace(name)  # drawn from the state it was opened with: its model drops our messages
             return
-        if getattr(fig, "_wb_check_pending", False):
+        if name in self.pending:
             return
 
         def check():
-            fig._wb_check_pending = False
-            if fig._wb_last_report < target and fig is self.figures.get(name):
+            self.pending.discard(name)
+            if self.last_report[name] < target and fig is self.figures.get(name):
                 self.send_whole(fig)
-
-        import asyncio
 
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return check()  # no kernel loop: nothing else can arrive meanwhile
-        fig._wb_check_pending = True
+        self.pending.add(name)
         loop.call_later(self.STALE_CHECK_S, check)
