@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from workbench.experiments.allocation_findings import allocation_claim_rows, allocation_claims, arm_name
+from workbench.experiments.allocation_findings import (allocation_claim_rows, allocation_claims, arm_name,
+                                                       terminal_to_core_claims, terminal_to_core_rows)
 from workbench.io import RunDir, save_netcdf
 
 LOOPS = [1, 2, 3, 4, 6, 8, 9, 12, 18]
@@ -28,6 +29,14 @@ def planted_effect(arm: str, K: int, r: int) -> float:
     if arm == "0+2x4+2":  # planted against the paper: the coda-heavy model extrapolates better
         return -0.1 if r > K else 0.0
     return 0.0
+
+
+def planted_ratio(arm: str) -> float:
+    """Return the terminal-to-core ratio planted for an arm: 0.65 without a coda, 0.5 with one, and with a coda at
+    depth 14 rising as the loop count falls (0.8 for the non-looped model; 2x6 planted equal to 2+2x4+0 less 0.15)."""
+    if arm.endswith("+0"):
+        return 0.65
+    return {"1+12x1+1": 0.8, "1+6x2+1": 0.7, "2+2x4+2": 0.65}.get(arm, 0.5)
 
 
 def write_run(root, step: str, key: str, params: dict, ds: xr.Dataset) -> None:
@@ -57,7 +66,8 @@ def runs(tmp_path_factory):
                       xr.Dataset({"window_loss": (("loop", "window"), loss)}, coords={"loop": LOOPS}))
             t = np.arange(1, 19)
             geo = xr.Dataset({"angular_distance": ("loop", 0.5 / t), "relative_update": ("loop", 1.0 / t),
-                              "state_variance": ("loop", t / K * (1 + rng.normal(0, 0.01)))}, coords={"loop": t})
+                              "state_variance": ("loop", t / K * (1 + rng.normal(0, 0.01))),
+                              "terminal_to_core": planted_ratio(name) + rng.normal(0, 0.01)}, coords={"loop": t})
             write_run(root, "geometry", f"g{key}", {"checkpoint": str(root / "allocation" / "train" / key)}, geo)
     return root
 
@@ -119,3 +129,23 @@ def test_runs_that_read_other_windows_are_not_paired(runs, tmp_path):
     rd.record.write_text(json.dumps(rec))
     with pytest.raises(ValueError, match="same held-out windows"):
         allocation_claims(root)
+
+
+def test_the_terminal_to_core_ratio_reads_the_coda_and_the_loop_planted_in_it(runs):
+    t = terminal_to_core_claims(runs)
+    assert t.ratio.sizes == {"arm": 9, "seed": 3}
+    assert float(t.ratio_mean.sel(arm="2+2x4+0")) == pytest.approx(0.65, abs=0.02)
+    assert (t.ratio_low <= t.ratio_mean).all() and (t.ratio_mean <= t.ratio_high).all()
+    row = {(str(q), str(a)): t.isel(comparison=i) for i, (q, a) in enumerate(zip(t.question.values, t.a.values))}
+    assert set(row) == {("coda", "2+2x4+2"), ("coda", "1+2x4+1"), ("coda", "0+2x4+2"), ("loop", "1+2x6+1"),
+                        ("loop", "1+3x4+1"), ("loop", "1+4x3+1"), ("loop", "1+6x2+1")}
+    moved = row["coda", "0+2x4+2"]  # 0.5 against 0.65: the paper's direction, corrected over the 3 coda rows
+    assert float(moved.difference) == pytest.approx(-0.15, abs=0.02) and moved.verdict.item() == "replicates"
+    assert int(moved.family_size) == 3 and float(moved.p_holm) >= float(moved.p)
+    same = row["coda", "2+2x4+2"]  # planted equal to the coda-free model: no effect to find
+    assert same.verdict.item() == "inconclusive" and float(same.low) < 0 < float(same.high)
+    loop = row["loop", "1+2x6+1"]  # 0.5 against the non-looped 0.8: no paper direction, so no verdict
+    assert loop.verdict.item() == "no direction" and float(loop.difference) == pytest.approx(-0.3, abs=0.02)
+    assert t.attrs["comparisons"] == 3
+    rows = terminal_to_core_rows(t)
+    assert len(rows) == 9 + 7 and rows[-1].endswith("| no direction |") and "(m = 3)" in rows[9]

@@ -547,6 +547,7 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
     # the rows that meet the bar, each from 3 seeds with Holm in its family: two allocation questions from the
     # seeds profile (in loss) and the matched truncation profile's 4 primary pairs
     assert [c for c, v in verdicts.items() if "replicates" in v] == [
+        "Coda layers lower the terminal-to-core response ratio (computational interaction)",
         "Prelude-heavy allocations extrapolate better", "Convergence alone does not explain extrapolation",
         "Full BPTT through fewer loops beats truncation at matched compute"]
     assert sum(v.startswith("not run yet") for v in verdicts.values()) >= 1
@@ -750,6 +751,31 @@ def test_committed_allocation_seeds_hold_the_numbers_the_document_quotes():
     mean = s.loss.mean("seed")
     assert all(int(mean.loop[int(mean.sel(arm=a).argmin())]) == int(k)
                for a, k in zip(s.arm.values, s.training_loops.values))  # "every model is best at its own K"
+
+
+def test_the_committed_terminal_to_core_ratios_hold_the_numbers_the_document_quotes():
+    from workbench.experiments.allocation_findings import terminal_to_core_claims, terminal_to_core_rows
+
+    s = xr.load_dataset(DOCS / "findings" / "allocation_seeds" / "terminal_to_core.nc", engine="h5netcdf")
+    again = terminal_to_core_claims(DOCS / "findings", pipeline="allocation_seeds")  # the summary is what the runs give
+    assert terminal_to_core_rows(again) == terminal_to_core_rows(s)
+    text = (DOCS / "findings.md").read_text()
+    for row in terminal_to_core_rows(s):
+        assert row in text, row
+    coda = s.where(s.question == "coda", drop=True)
+    assert (coda.per_seed < 0).all()  # "in every seed"
+    assert sorted(str(a) for a, v in zip(coda.a.values, coda.verdict.values) if v == "replicates") == [
+        "0+2x4+2", "1+2x4+1"] and s.attrs["comparisons"] == 3 and s.sizes["seed"] == 3
+    depth14 = ["1+12x1+1", "1+6x2+1", "1+4x3+1", "1+3x4+1", "1+2x6+1"]  # loop count 1, 2, 3, 4, 6
+    means = [float(s.ratio_mean.sel(arm=a)) for a in depth14]
+    assert means == sorted(means, reverse=True)  # "falls with the loop count"
+    quoted = [f"{m:.2f}" for m in means]
+    assert (f"from {quoted[0]} for the non-looped 1+12x1+1 (near the paper's no-coda band of 0.85-0.89)\nthrough "
+            f"{quoted[1]} (6x2), {quoted[2]} (4x3) and {quoted[3]} (3x4) to {quoted[4]} (2x6") in text
+    head = next(r for r in headline_rows() if r[0].startswith("Coda layers lower"))
+    for a in ("2+2x4+0", "0+2x4+2", "1+2x4+1", "2+2x4+2", "1+12x1+1", "1+2x6+1"):
+        r = s.sel(arm=a)
+        assert f"{float(r.ratio_mean):.2f} [{float(r.ratio_low):.2f}, {float(r.ratio_high):.2f}]" in head[2], a
 
 
 def test_the_first_conditioning_seeds_runs_hold_what_the_document_says_was_seen():
