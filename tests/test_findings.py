@@ -844,4 +844,22 @@ def test_the_first_retrofit_phase_holds_what_the_document_says_was_seen():
     assert (f"diagonal\naccuracy {acc[2]} at depth 2, {acc[3]} at 3 and {acc[4]} at 4 (K); beyond K {acc[5]}, {acc[6]}, "
             f"{acc[7]} and {acc[8]} at depths 5-8").replace("\n", " ") in text
     assert record["status"] == "done" and record["params"]["seed"] == 0 and round(record["seconds"] / 60) == 10
+    # seed 1's chain again at 709dd5d: its install equal to 8f09c3d's in every number, then its anneal
+    paths = [DOCS / "findings" / "retrofit" / p / "results.nc"
+             for p in ("rerun/install/4c2996e3fd18af78", "install/da4fa7312fb36fe7")]
+    shared = sorted(set(run_file(paths[0])["variables"]) & set(run_file(paths[1])["variables"]))
+    again, first = (run_file(p, *shared) for p in paths)
+    assert again["attrs"]["seed"] == first["attrs"]["seed"] == 1 and again["attrs"]["git_commit"].startswith("709dd5d")
+    assert {"step_accuracy", "train_loss", "loss", "accuracy"} <= set(shared)
+    for v in shared:  # "bit for bit the same"
+        assert np.array_equal(np.asarray(again[v]), np.asarray(first[v])), v
+    assert "**bit for bit the same**" in text.replace("\n", " ") and "`709dd5d`" in text
+    run = DOCS / "findings" / "retrofit" / "anneal" / "5cd01edd0c15dfcc"
+    ds = run_file(run / "results.nc", "depth", "step_accuracy")
+    record = json.loads((run / "run.json").read_text())
+    acc = {int(d): f"{float(a):.2f}" for d, a in zip(ds["depth"], ds["step_accuracy"])}
+    assert (f"Seed 1's anneal (12 minutes): diagonal accuracy {acc[2]} at depth 2, {acc[3]} at 3 and {acc[4]} at 4 "
+            f"(K); beyond K {acc[5]}, {acc[6]}, {acc[7]} and {acc[8]} at depths 5-8") in text
+    assert record["status"] == "done" and record["params"]["seed"] == 1 and round(record["seconds"] / 60) == 12
+    assert ds["attrs"]["git_commit"].startswith("709dd5d")
 

@@ -681,13 +681,14 @@ def plant_recipe_run(root, step, seed, ds):
 
 
 def test_recipe_claims_read_each_seeds_phases_and_correct_over_the_family_of_six(tmp_path):
-    from workbench.experiments.recipe_findings import held_multiple, recipe_claims
+    from workbench.experiments.recipe_findings import held_multiple, recipe_claim_rows, recipe_claims, recipe_depth_rows
 
     depths = [1, 2, 3, 4, 5, 6, 7, 8]
     beyond = ("depth", [int(d > 4) for d in depths])
     rng = np.random.default_rng(0)
+    jitters = rng.normal(0, 0.01, (3, len(depths)))
     for s in range(3):
-        jitter = rng.normal(0, 0.01, len(depths))
+        jitter = jitters[s]
         diag = np.array([0.0, 1.0, 0.95, 0.9, 0.8, 0.72, 0.5, 0.3]) + jitter  # held through depth 6: 1.5 K
         looped = np.array([0.0, 0.9, 0.9, 0.85, 0.7, 0.6, 0.4, 0.2]) + jitter
         pad = np.array([0.0, 0.9, 0.9, 0.85, 0.1, 0.05, 0.0, 0.0]) + jitter
@@ -710,6 +711,13 @@ def test_recipe_claims_read_each_seeds_phases_and_correct_over_the_family_of_six
     assert float(claims.difference.sel(comparison="interference")) == pytest.approx(-0.6)
     assert float(claims.difference.sel(comparison="beyond")) == pytest.approx(np.mean([0.6, 0.55, 0.4, 0.2]))
     assert set(claims.verdict.values) == {"replicates"}  # each planted the paper's way, with 3 seeds
+    rows = recipe_claim_rows(claims)  # what findings.md quotes: per-seed values, both intervals, Holm p, verdict
+    assert len(rows) == 6 and all(r.endswith("| replicates |") for r in rows)
+    assert rows[4].startswith("| speed | scratchpad seconds per answer / looped - 1 | +4.000 / +4.500 / +5.000 | +4.500 [")
+    assert "(m = 6)" in rows[0] and "7.6 times faster" in rows[4]
+    by_depth = recipe_depth_rows(tmp_path)  # per depth, each seed's four numbers
+    assert len(by_depth) == 8 and by_depth[3].startswith("| 4 (K) | ")
+    assert by_depth[4].split(" | ")[3] == " / ".join(f"{0.1 + j:.2f}" for j in jitters[:, 4])  # scratchpad, depth 5
     # Holm over six and Bonferroni intervals: never narrower than the plain 95% interval
     assert (claims.p_holm >= claims.p).all() and (claims.low_corrected <= claims.low).all()
     acc = xr.DataArray([0.0, 0.9, 0.6, 0.9], coords={"depth": [1, 2, 3, 4]})
