@@ -862,4 +862,15 @@ def test_the_first_retrofit_phase_holds_what_the_document_says_was_seen():
             f"(K); beyond K {acc[5]}, {acc[6]}, {acc[7]} and {acc[8]} at depths 5-8") in text
     assert record["status"] == "done" and record["params"]["seed"] == 1 and round(record["seconds"] / 60) == 12
     assert ds["attrs"]["git_commit"].startswith("709dd5d")
+    # seed 1's inverse: both rules' diagonals at depths 2-4, before and after, and loop 1 untouched
+    run = DOCS / "findings" / "retrofit" / "inverse" / "d2c3075c005933cf"
+    ds = run_file(run / "results.nc", "depth", "step_accuracy", "inverse_step_accuracy", "loop1_after_inverse_loss_diff")
+    record = json.loads((run / "run.json").read_text())
+    at = [list(np.asarray(ds["depth"])).index(d) for d in (2, 3, 4)]
+    inv_before, inv_after = (" / ".join(f"{ds['inverse_step_accuracy'][i][j]:.2f}" for j in at) for i in (0, 1))
+    forward = " / ".join(f"{ds['step_accuracy'][j]:.2f}" for j in at)
+    assert (f"the inverse rule's diagonal at depths 2-4 went from {inv_before} before to {inv_after} after, and the "
+            f"installed rule's from {' / '.join(acc[d] for d in (2, 3, 4))} to {forward}") in text
+    assert float(ds["loop1_after_inverse_loss_diff"]) == 0.0 and record["params"]["seed"] == 1
+    assert round(record["seconds"] / 60) == 26 and record["status"] == "done"
 
