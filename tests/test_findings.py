@@ -560,7 +560,7 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
 
 SECTIONS = {"Allocation": "allocation", "Recurrence-equivalence": "phi_sweep", "Tapered": "taper",
             "Loop conditioning": "conditioning", "Truncated against full": "truncation",
-            "Lost gradient": "lost_gradient"}
+            "Lost gradient": "lost_gradient", "Retrofit: the re-entry": "retrofit"}
 
 
 @pytest.mark.slow
@@ -776,6 +776,24 @@ def test_the_committed_terminal_to_core_ratios_hold_the_numbers_the_document_quo
     for a in ("2+2x4+0", "0+2x4+2", "1+2x4+1", "2+2x4+2", "1+12x1+1", "1+2x6+1"):
         r = s.sel(arm=a)
         assert f"{float(r.ratio_mean):.2f} [{float(r.ratio_low):.2f}, {float(r.ratio_high):.2f}]" in head[2], a
+
+
+def test_the_retrofit_claims_and_depth_tables_are_what_the_committed_runs_give():
+    from workbench.experiments.recipe_findings import recipe_claim_rows, recipe_claims, recipe_depth_rows
+
+    s = xr.load_dataset(DOCS / "findings" / "retrofit" / "summary.nc", engine="h5netcdf")
+    again = recipe_claims(DOCS / "findings", pipeline="retrofit")  # collect() wrote docs/findings/retrofit/<phase>/
+    assert recipe_claim_rows(again) == recipe_claim_rows(s)
+    text = (DOCS / "findings.md").read_text()
+    for row in recipe_claim_rows(s) + recipe_depth_rows(DOCS / "findings", pipeline="retrofit"):
+        assert row in text, row
+    assert s.attrs["family_size"] == 6 and "Comparisons: 6" in text
+    assert (s.held_multiple == 1.0).all()  # "every seed holds through K and no further"
+    n = s.sizes["seed"]
+    r = s.sel(comparison="installed")
+    head = next(h for h in headline_rows() if h[0].startswith("Retrofitting recurrent depth"))
+    assert f"{float(r.difference):+.3f} [{float(r.low):+.3f}, {float(r.high):+.3f}] ({n} seeds)" in head[2]
+    assert head[3].startswith(f"installed: {r.verdict.item()} ({n} seeds, Holm over 6)")
 
 
 def test_the_first_conditioning_seeds_runs_hold_what_the_document_says_was_seen():
