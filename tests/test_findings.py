@@ -549,7 +549,9 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
     assert [c for c, v in verdicts.items() if "replicates" in v] == [
         "Coda layers lower the terminal-to-core response ratio (computational interaction)",
         "Prelude-heavy allocations extrapolate better", "Convergence alone does not explain extrapolation",
-        "Full BPTT through fewer loops beats truncation at matched compute"]
+        "Full BPTT through fewer loops beats truncation at matched compute",
+        "Retrofitting recurrent depth into a pretrained model: one step per loop, kept after annealing; extrapolation "
+        "past the supervised depth"]
     assert sum(v.startswith("not run yet") for v in verdicts.values()) >= 1
     text = (DOCS / "findings.md").read_text()
     assert "Holm" in section(text, "How to read a verdict") and "at least 3 training seeds" in text
@@ -728,15 +730,23 @@ def test_committed_phi_ladder_holds_the_numbers_the_document_quotes():
     assert all(simultaneous(phis[r], 3).high > 1 for r in (2, 8))
 
 
+def summary_is_quoted(name: str, compute, rows):
+    """Return the committed summary docs/findings/<name> and findings.md's text, after checking the summary is what
+    compute() gives from the committed runs and that every row rows(summary) writes is quoted in the document."""
+    s = xr.load_dataset(DOCS / "findings" / name, engine="h5netcdf")
+    assert rows(compute()) == rows(s)
+    text = (DOCS / "findings.md").read_text()
+    for row in rows(s):
+        assert row in text, row
+    return s, text
+
+
 def test_committed_allocation_seeds_hold_the_numbers_the_document_quotes():
     from workbench.experiments.allocation_findings import allocation_claim_rows, allocation_claims
 
-    s = xr.load_dataset(DOCS / "findings" / "allocation_seeds" / "summary.nc", engine="h5netcdf")
-    again = allocation_claims(DOCS / "findings", pipeline="allocation_seeds")  # the summary is what the runs give
-    assert allocation_claim_rows(again) == allocation_claim_rows(s)
-    text = (DOCS / "findings.md").read_text()
-    for row in allocation_claim_rows(s):
-        assert row in text, row
+    s, text = summary_is_quoted("allocation_seeds/summary.nc",
+                                lambda: allocation_claims(DOCS / "findings", pipeline="allocation_seeds"),
+                                allocation_claim_rows)
     assert s.sizes["seed"] == 3 and s.attrs["comparisons"] == 32 and "comparisons: 32" in text.lower()
     verdict = {(str(q), str(a), str(b)): str(v) for q, a, b, v in
                zip(s.question.values, s.a.values, s.b.values, s.verdict.values)}
@@ -756,12 +766,9 @@ def test_committed_allocation_seeds_hold_the_numbers_the_document_quotes():
 def test_the_committed_terminal_to_core_ratios_hold_the_numbers_the_document_quotes():
     from workbench.experiments.allocation_findings import terminal_to_core_claims, terminal_to_core_rows
 
-    s = xr.load_dataset(DOCS / "findings" / "allocation_seeds" / "terminal_to_core.nc", engine="h5netcdf")
-    again = terminal_to_core_claims(DOCS / "findings", pipeline="allocation_seeds")  # the summary is what the runs give
-    assert terminal_to_core_rows(again) == terminal_to_core_rows(s)
-    text = (DOCS / "findings.md").read_text()
-    for row in terminal_to_core_rows(s):
-        assert row in text, row
+    s, text = summary_is_quoted("allocation_seeds/terminal_to_core.nc",
+                                lambda: terminal_to_core_claims(DOCS / "findings", pipeline="allocation_seeds"),
+                                terminal_to_core_rows)
     coda = s.where(s.question == "coda", drop=True)
     assert (coda.per_seed < 0).all()  # "in every seed"
     assert sorted(str(a) for a, v in zip(coda.a.values, coda.verdict.values) if v == "replicates") == [
@@ -781,11 +788,10 @@ def test_the_committed_terminal_to_core_ratios_hold_the_numbers_the_document_quo
 def test_the_retrofit_claims_and_depth_tables_are_what_the_committed_runs_give():
     from workbench.experiments.recipe_findings import recipe_claim_rows, recipe_claims, recipe_depth_rows
 
-    s = xr.load_dataset(DOCS / "findings" / "retrofit" / "summary.nc", engine="h5netcdf")
-    again = recipe_claims(DOCS / "findings", pipeline="retrofit")  # collect() wrote docs/findings/retrofit/<phase>/
-    assert recipe_claim_rows(again) == recipe_claim_rows(s)
-    text = (DOCS / "findings.md").read_text()
-    for row in recipe_claim_rows(s) + recipe_depth_rows(DOCS / "findings", pipeline="retrofit"):
+    # collect() wrote docs/findings/retrofit/<phase>/<key>/
+    s, text = summary_is_quoted("retrofit/summary.nc", lambda: recipe_claims(DOCS / "findings", pipeline="retrofit"),
+                                recipe_claim_rows)
+    for row in recipe_depth_rows(DOCS / "findings", pipeline="retrofit"):
         assert row in text, row
     assert s.attrs["family_size"] == 6 and "Comparisons: 6" in text
     assert (s.held_multiple == 1.0).all()  # "every seed holds through K and no further"
@@ -820,6 +826,9 @@ def test_the_first_conditioning_seeds_runs_hold_what_the_document_says_was_seen(
     for key in ("69cc6c8cbfef7f0f", "79b57b760aa13e7e", "e856fa4a64d8ca29", "59b5cc5b254ea1e7"):
         attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
         assert attrs["git_commit"].startswith("aa01528") and "`aa01528`" in text
+
+
+RERUNS = [(1, "4c2996e3fd18af78", "da4fa7312fb36fe7"), (2, "82006018b68551f0", "34d5fee3724bf56b")]  # (seed, install at 709dd5d, the same seed's at 8f09c3d)
 
 
 def test_the_first_retrofit_phase_holds_what_the_document_says_was_seen():
@@ -863,14 +872,15 @@ def test_the_first_retrofit_phase_holds_what_the_document_says_was_seen():
             f"{acc[7]} and {acc[8]} at depths 5-8").replace("\n", " ") in text
     assert record["status"] == "done" and record["params"]["seed"] == 0 and round(record["seconds"] / 60) == 10
     # seed 1's chain again at 709dd5d: its install equal to 8f09c3d's in every number, then its anneal
-    paths = [DOCS / "findings" / "retrofit" / p / "results.nc"
-             for p in ("rerun/install/4c2996e3fd18af78", "install/da4fa7312fb36fe7")]
-    shared = sorted(set(run_file(paths[0])["variables"]) & set(run_file(paths[1])["variables"]))
-    again, first = (run_file(p, *shared) for p in paths)
-    assert again["attrs"]["seed"] == first["attrs"]["seed"] == 1 and again["attrs"]["git_commit"].startswith("709dd5d")
-    assert {"step_accuracy", "train_loss", "loss", "accuracy"} <= set(shared)
-    for v in shared:  # "bit for bit the same"
-        assert np.array_equal(np.asarray(again[v]), np.asarray(first[v])), v
+    for seed, rerun, original in RERUNS:
+        paths = [DOCS / "findings" / "retrofit" / p / "results.nc" for p in (f"rerun/install/{rerun}", f"install/{original}")]
+        shared = sorted(set(run_file(paths[0])["variables"]) & set(run_file(paths[1])["variables"]))
+        again, first = (run_file(p, *shared) for p in paths)
+        assert again["attrs"]["seed"] == first["attrs"]["seed"] == seed
+        assert again["attrs"]["git_commit"].startswith("709dd5d")
+        assert {"step_accuracy", "train_loss", "loss", "accuracy"} <= set(shared)
+        for v in shared:  # "bit for bit the same"
+            assert np.array_equal(np.asarray(again[v]), np.asarray(first[v])), v
     assert "**bit for bit the same**" in text.replace("\n", " ") and "`709dd5d`" in text
     run = DOCS / "findings" / "retrofit" / "anneal" / "5cd01edd0c15dfcc"
     ds = run_file(run / "results.nc", "depth", "step_accuracy")
