@@ -185,6 +185,11 @@ def allocation_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation")
     return _with_curves(ds, runs, seeds)
 
 
+def _training_loops(runs: dict, arms: list[str]) -> list[int]:
+    """Return each arm's training loop count K, read from any of its train runs."""
+    return [next(v["K"] for (a, _), v in runs.items() if a == arm) for arm in arms]
+
+
 def _with_curves(ds: xr.Dataset, runs: dict, seeds: list[int]) -> xr.Dataset:
     """Return ds with loss [arm, loop, seed] (mean window loss) and each arm's seed-mean peak loop count."""
     arms = sorted({a for a, _ in runs}, key=lambda a: (_depth(a) != _depth(NONLOOPED), a))
@@ -197,8 +202,7 @@ def _with_curves(ds: xr.Dataset, runs: dict, seeds: list[int]) -> xr.Dataset:
     mean = np.nanmean(loss, axis=2)
     ds["peak_loop"] = ("arm", [loops[int(np.nanargmin(m))] for m in mean],
                        {"long_name": "loop count of the lowest seed-mean loss among those scored"})
-    ds = ds.assign_coords(arm=arms, loop=loops, training_loops=("arm", [runs[next(k for k in runs if k[0] == a)]["K"]
-                                                                        for a in arms]))
+    ds = ds.assign_coords(arm=arms, loop=loops, training_loops=("arm", _training_loops(runs, arms)))
     ds.attrs = {"interval": "95% Student t over per-seed means of per-window statistics",
                 "correction": "Holm p-values and Bonferroni intervals at 1 - 0.05/m within each question",
                 "comparisons": int(ds.sizes["comparison"])}
@@ -260,7 +264,7 @@ def terminal_to_core_claims(runs_dir: str | os.PathLike, pipeline: str = "alloca
          "ratio_mean": ("arm", [c.mean for c in per_arm]), "ratio_low": ("arm", [c.low for c in per_arm]),
          "ratio_high": ("arm", [c.high for c in per_arm])},
         coords={**{k: (dim, [r[k] for r in rows]) for k in ("question", "a", "b", "sign")}, "seed": seeds,
-                "arm": arms, "training_loops": ("arm", [runs[next(k for k in runs if k[0] == a)]["K"] for a in arms])})
+                "arm": arms, "training_loops": ("arm", _training_loops(runs, arms))})
     ds.attrs = {"interval": "95% Student t over per-seed values",
                 "correction": "the coda rows: Holm p-values and Bonferroni intervals at 1 - 0.05/m; the loop rows "
                               "have no paper direction (plain intervals)",
