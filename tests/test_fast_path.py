@@ -67,6 +67,22 @@ def test_the_trainer_resolves_auto_from_the_flags_it_reads(monkeypatch):
     precision._host_cpu_fast.cache_clear()
 
 
+def test_workbench_bf16_off_makes_auto_fp32_on_a_bf16_host(monkeypatch):
+    from workbench.optim import resolve_ns_dtype
+
+    monkeypatch.setattr(precision, "read_cpuinfo", lambda: AMX)
+    precision._host_cpu_fast.cache_clear()
+    assert precision.use_bf16("auto", "cpu") is True and resolve_ns_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setenv("WORKBENCH_BF16", "off")
+    assert precision.use_bf16("auto", "cpu") is False and resolve_ns_dtype("auto", "cpu") == torch.float32
+    assert precision.use_bf16("on", "cpu") is True  # asked for by name: still given
+    assert precision.fast_bf16("cpu", AMX)  # a simulated CPU is what it says, whatever this host's setting
+    monkeypatch.setenv("WORKBENCH_BF16", "no")
+    with pytest.raises(ValueError, match=r"WORKBENCH_BF16='no' is invalid: must be auto or off"):
+        precision.use_bf16("auto", "cpu")
+    precision._host_cpu_fast.cache_clear()
+
+
 def test_precision_and_compile_settings_are_checked_and_normalised():
     assert TrainConfig(steps=1, bf16=True, compile=False).bf16 == "on"
     assert TrainConfig(steps=1, bf16=None, compile=True).to_json().count('"auto"') == 1  # bf16 None -> auto

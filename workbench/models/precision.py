@@ -6,11 +6,16 @@ has fast bf16 arithmetic (a CUDA device that supports bf16; a CPU whose flags, r
 the reader is an argument, so a test can simulate a CPU with or without them. Under autocast only
 the matmuls (and what autocast lists) run in bf16; parameters, optimiser states, the loss and the
 cross-entropy's softmax stay fp32.
+
+`WORKBENCH_BF16=off` in the environment makes "auto" resolve to fp32 on this host, for every run a
+process starts (a pipeline's notebook kernels inherit it): runs on an AMX machine that must stay
+comparable with fp32 runs made on a CPU without bf16 units (the precision moves losses; issue 27).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -21,6 +26,15 @@ from ..config import fail
 
 PRECISIONS = ("auto", "on", "off")
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # either gives native bf16 dot products on x86
+ENV_BF16 = "WORKBENCH_BF16"
+
+
+def host_allows_bf16() -> bool:
+    """Return False when the environment's WORKBENCH_BF16 is "off" (auto means fp32 here), True when unset or "auto"."""
+    value = os.environ.get(ENV_BF16, "auto")
+    if value not in ("auto", "off"):
+        fail(ENV_BF16, value, "must be auto or off (off: precision 'auto' never picks bf16 on this host)")
+    return value == "auto"
 
 
 def read_cpuinfo() -> str:
@@ -53,6 +67,8 @@ def fast_bf16(device: torch.device | str, cpuinfo: Callable[[], str] | str | Non
     a CPU; without it the host's flags are read once per process.
     """
     device = torch.device(device)
+    if cpuinfo is None and not host_allows_bf16():
+        return False
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
