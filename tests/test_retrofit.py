@@ -726,6 +726,33 @@ def test_recipe_claims_read_each_seeds_phases_and_correct_over_the_family_of_six
         recipe_claims(tmp_path / "empty")
 
 
+def test_interference_is_read_against_the_anneal_the_inverse_continued_from(tmp_path):
+    """A seed's chain made again: its inverse's "before" is its own upstream anneal (rerun/anneal), not the seed's first."""
+    from workbench.experiments.recipe_findings import recipe_claims
+
+    depths, beyond = [1, 2, 3, 4], ("depth", [0, 0, 0, 0])
+    attrs = {"loops": 4, "budget": "adapter", "first_depth": 2}
+    for s in range(2):
+        plant_recipe_run(tmp_path, "anneal", s, xr.Dataset(
+            {"step_accuracy": ("depth", [0.0, 1.0, 1.0, 0.5])}, coords={"depth": depths, "beyond_horizon": beyond},
+            attrs=attrs))
+        plant_recipe_run(tmp_path, "inverse", s, xr.Dataset(
+            {"step_accuracy": ("depth", [0.0, 0.2, 0.2, 0.2])}, coords={"depth": depths, "beyond_horizon": beyond}))
+    # seed 0's inverse came from a second chain, whose anneal held 0.9 at depth 4 instead of 0.5
+    again = tmp_path / "retrofit_recipe" / "rerun" / "anneal" / "again0"
+    again.mkdir(parents=True)
+    xr.Dataset({"step_accuracy": ("depth", [0.0, 1.0, 1.0, 0.9])}, coords={"depth": depths, "beyond_horizon": beyond},
+               attrs=attrs).to_netcdf(again / "results.nc", engine="h5netcdf")
+    (again / "run.json").write_text(json.dumps({"status": "done", "params": {"seed": 0}}))
+    record = tmp_path / "retrofit_recipe" / "inverse" / "inverse0" / "run.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "upstream": ["again0"]}))
+    per = recipe_claims(tmp_path).per_seed.sel(comparison="interference").values
+    assert per.tolist() == pytest.approx([0.2 - 2.9 / 3, 0.2 - 2.5 / 3])  # seed 0 against rerun's 1.0 / 1.0 / 0.9
+    record.write_text(json.dumps({**json.loads(record.read_text()), "upstream": ["gone"]}))
+    with pytest.raises(ValueError, match="continued from anneal gone, which is not under"):
+        recipe_claims(tmp_path)
+
+
 def test_an_anneal_phase_that_trained_nothing_hands_on_installs_weights(tmp_path):
     no_anneal = {**RECIPE, "anneal_steps": 0}
     rr.recipe_phase(tmp_path / "install", "install", **no_anneal)

@@ -57,7 +57,8 @@ class Tokenizer:
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """Return the token ids of each text, encoded in parallel."""
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        # the fast variant skips character offsets, which nothing here reads: the same ids in about 2/3 the time
+        return [e.ids for e in self.backend.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Return the text of token ids (special tokens kept as their text)."""

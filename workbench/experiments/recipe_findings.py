@@ -13,12 +13,15 @@ seed's upstream, as the laptop profile pairs them):
   and beyond K only ("won overall ... retained 53% versus 2.5% beyond depth 10");
 - speed: the scratchpad's seconds per answer over the looped model's, minus 1 ("answered 7.6 times faster");
 - interference: the installed rule's diagonal at the supervised depths after training the inverse rule,
-  minus before it (the paper: no continuation kept the installed mechanism, so negative).
+  minus before it (the paper: no continuation kept the installed mechanism, so negative). "Before" is the
+  anneal the inverse continued from (its record's upstream key), wherever under the pipeline's folder that
+  anneal lies: a seed's chain made again (a `rerun/` folder) keeps its inverse paired with its own anneal.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,15 +41,34 @@ COMPARISONS = (("installed", +1, "mean diagonal accuracy at depths first..K afte
                ("interference", -1, "installed rule's diagonal at first..K after the inverse - before"))
 
 
-def _by_seed(runs_dir, pipeline: str, step: str) -> dict[int, xr.Dataset]:
-    """Return {seed: results Dataset} of a step's finished runs (one per seed; a second is an error)."""
-    out: dict[int, xr.Dataset] = {}
+def _run_dirs(runs_dir, pipeline: str, step: str) -> dict[int, Path]:
+    """Return {seed: folder} of a step's finished runs (one per seed; a second is an error)."""
+    out: dict[int, Path] = {}
     for d in find_runs(pipeline, step, runs_dir):
         seed = int((read_json(RunDir(d).record, "run record").get("params") or {}).get("seed", 0))
         if seed in out:
             raise ValueError(f"{pipeline}/{step} has two finished runs of seed {seed} under {runs_dir}: keep one "
                              "recipe per runs folder")
-        out[seed] = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+        out[seed] = d
+    return out
+
+
+def _by_seed(runs_dir, pipeline: str, step: str) -> dict[int, xr.Dataset]:
+    """Return {seed: results Dataset} of a step's finished runs (one per seed; a second is an error)."""
+    return {s: xr.load_dataset(RunDir(d).results, engine="h5netcdf") for s, d in _run_dirs(runs_dir, pipeline, step).items()}
+
+
+def _upstream_anneals(runs_dir, pipeline: str, inverse: dict[int, Path]) -> dict[int, xr.Dataset]:
+    """Return {seed: results of the anneal run each inverse run continued from}, for inverses that name one."""
+    out = {}
+    for seed, d in inverse.items():
+        upstream = read_json(RunDir(d).record, "run record").get("upstream") or []
+        hits = [a for key in upstream for a in (Path(runs_dir) / pipeline).glob(f"**/anneal/{key}")]
+        if upstream and not hits:
+            raise ValueError(f"{d} continued from anneal {upstream[0]}, which is not under {Path(runs_dir) / pipeline}:"
+                             " keep a seed's whole chain in one runs folder")
+        if hits:
+            out[seed] = xr.load_dataset(RunDir(hits[0]).results, engine="h5netcdf")
     return out
 
 
@@ -60,8 +82,9 @@ def held_multiple(step_accuracy: xr.DataArray, K: int, first: int) -> float:
     return held / K
 
 
-def _values(anneal: xr.Dataset, scratch: xr.Dataset | None, inverse: xr.Dataset | None) -> dict[str, float]:
-    """Return one seed's number for each comparison its runs allow."""
+def _values(anneal: xr.Dataset, scratch: xr.Dataset | None, inverse: xr.Dataset | None,
+            before: xr.Dataset | None = None) -> dict[str, float]:
+    """Return one seed's number for each comparison its runs allow (`before`: the inverse's own anneal, if not `anneal`)."""
     K, first = int(anneal.attrs["loops"]), int(anneal.attrs["first_depth"])
     depths = anneal.depth.values
     within = depths[(depths >= first) & (depths <= K)]
@@ -79,7 +102,8 @@ def _values(anneal: xr.Dataset, scratch: xr.Dataset | None, inverse: xr.Dataset 
         t_pad = float(scratch.seconds_per_answer.sel(approach="scratchpad", depth=within).mean())
         out["speed"] = t_pad / t_loop - 1
     if inverse is not None:
-        out["interference"] = float(inverse.step_accuracy.sel(depth=within).mean() - diag.sel(depth=within).mean())
+        start = (before if before is not None else anneal).step_accuracy
+        out["interference"] = float(inverse.step_accuracy.sel(depth=within).mean() - start.sel(depth=within).mean())
     return out
 
 
@@ -90,9 +114,11 @@ def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe"
     if not anneal:
         raise ValueError(f"no finished {pipeline}/anneal run under {runs_dir}: run `workbench run {pipeline} "
                          "--profile laptop --jobs 1` first")
-    scratch, inverse = _by_seed(runs_dir, pipeline, "scratchpad"), _by_seed(runs_dir, pipeline, "inverse")
+    scratch, inverse_dirs = _by_seed(runs_dir, pipeline, "scratchpad"), _run_dirs(runs_dir, pipeline, "inverse")
+    inverse = {s: xr.load_dataset(RunDir(d).results, engine="h5netcdf") for s, d in inverse_dirs.items()}
+    before = _upstream_anneals(runs_dir, pipeline, inverse_dirs)
     seeds = sorted(anneal)
-    per = {s: _values(anneal[s], scratch.get(s), inverse.get(s)) for s in seeds}
+    per = {s: _values(anneal[s], scratch.get(s), inverse.get(s), before.get(s)) for s in seeds}
     rows = []
     for name, sign, what in COMPARISONS:
         values = [per[s][name] for s in seeds if name in per[s]]
