@@ -78,6 +78,7 @@ CLI = [
     ("--seed=-1", ["--seed", "-1"], None, None),
     ("vocab_size=10", ["--vocab-size", "10"], None, None),
     ("corpus='stdlb'", ["--corpus", "stdlb"], None, None),
+    ("corpus='stdlib[:0]'", ["--corpus", "stdlib[:0]"], None, None),
     ("--config='{dir}/missing.json'", ["--config", "{dir}/missing.json"], None, None),
     ("--train-config='{dir}/train.json'", [], None, "[1, 2]"),  # a JSON list, not an object
     ("--train-config='{dir}/train.json'", [], None, '{"lr": 0.01,'),  # truncated JSON

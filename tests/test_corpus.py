@@ -57,6 +57,23 @@ def test_stdlib_cheap_checks(tmp_path):
     assert (tmp_path / "corpus-hashes").is_dir()
 
 
+def test_a_byte_cap_keeps_the_first_files_of_a_file_source(tmp_path):
+    files = stdlib_files()
+    cut = load_corpus("stdlib[:200000]", cache_dir=tmp_path)
+    sizes = np.cumsum([f.stat().st_size for f in files])
+    n = int(np.searchsorted(sizes, 200000, side="right"))  # the most leading files within the cap
+    assert cut.n_documents == n >= 1 and cut.n_bytes == sizes[n - 1] <= 200000
+    assert list(cut.documents()) == [f.read_text() for f in files[:n]]  # the same files, in the same order
+    assert cut.provenance()["corpus"] == "stdlib[:200000]" and cut.provenance()["corpus_max_bytes"] == 200000
+    assert cut.content_hash != load_corpus("stdlib", cache_dir=tmp_path).content_hash
+    assert load_corpus("stdlib[:1]", cache_dir=tmp_path).n_documents == 1  # at least one file, whatever its size
+    folder = write_docs(tmp_path / "docs", n=4)
+    assert load_corpus(f"path:{folder}[:10000000]", cache_dir=tmp_path).n_documents == 4
+    for bad in ("stdlib[:0]", "hf:wikitext[:100]", "wikipedia[:100]", "stdlib[:1e6]"):
+        with pytest.raises(ValueError, match=r"corpus='.*' is invalid|unknown corpus source"):
+            load_corpus(bad, cache_dir=tmp_path)
+
+
 def test_corpus_is_deterministic_and_sees_changes(tmp_path):
     folder = write_docs(tmp_path / "docs", n=5)
     a = load_corpus(f"path:{folder}", cache_dir=tmp_path / "c")

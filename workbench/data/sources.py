@@ -9,6 +9,10 @@
   order (hidden entries and ``__pycache__`` skipped). A binary or non-UTF-8 file is an error naming it.
 - ``hf:NAME``: a Hugging Face ``datasets`` dataset. A local directory written by ``save_to_disk`` is read
   with ``load_from_disk``; anything else goes to ``load_dataset(NAME, config, split=split, **kw)``.
+- ``SOURCE[:BYTES]``, e.g. ``stdlib[:1000000]``: the first files of a file source (every one but ``hf:``), in
+  its fixed order, up to BYTES in all (at least one file): a corpus a quick run can tokenize in a second
+  instead of the whole source (smoke profiles use it: the 11 MB standard library mixed 70% with task text is
+  38 MB, about 20 s of tokenizing on one core, for a 2-step training).
 
 ``open_source(name, cache_dir, **kw)`` resolves a name to a ``Source``: either ordered files under a root
 (every source but ``hf:``) or a documents function with the dataset's fingerprint. Under the cache folder,
@@ -30,7 +34,8 @@ from typing import Callable, Iterator
 
 from .files import cache_root
 
-SOURCES = ("stdlib", "shakespeare", "path:DIR_OR_FILE", "hf:NAME")
+SOURCES = ("stdlib", "shakespeare", "path:DIR_OR_FILE", "hf:NAME", "SOURCE[:BYTES]")
+_CAP = re.compile(r"(?P<source>.+)\[:(?P<bytes>[0-9]+)\]")
 SHAKESPEARE_VERSION = "0.6"
 SHAKESPEARE_EDITIONS = {"modern": "_gut.txt", "folio": "_gut_f.txt", "all": ".txt"}
 _STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
@@ -48,10 +53,27 @@ class Source:
     options: dict[str, str | int | float] = field(default_factory=dict)
 
 
+def check_source_name(name) -> str:
+    """Return name if it has the form of a corpus source (SOURCES; a byte cap on a file source), else raise ValueError."""
+    cap = _CAP.fullmatch(name) if isinstance(name, str) else None
+    base = cap["source"] if cap else name
+    if cap and (int(cap["bytes"]) < 1 or base.startswith("hf:")):
+        raise ValueError(f"corpus={name!r} is invalid: a [:BYTES] cap needs BYTES >= 1 and a file source "
+                         "(stdlib, shakespeare or path:DIR_OR_FILE)")
+    if not isinstance(base, str) or not (base in ("stdlib", "shakespeare") or base.startswith(("path:", "hf:"))):
+        raise ValueError(f"corpus={name!r} is invalid: must be one of {', '.join(SOURCES)}")
+    return name
+
+
 def open_source(name: str, cache_dir=None, **kw) -> Source:
-    """Return the Source a corpus name denotes: stdlib, shakespeare, path:DIR_OR_FILE or hf:NAME."""
+    """Return the Source a corpus name denotes: stdlib, shakespeare, path:DIR_OR_FILE, hf:NAME or SOURCE[:BYTES]."""
     if not isinstance(name, str):
         raise ValueError(f"corpus name must be a str, got {type(name).__name__}; known sources: {', '.join(SOURCES)}")
+    cap = _CAP.fullmatch(name)
+    if cap:
+        check_source_name(name)
+        src = open_source(cap["source"], cache_dir, **kw)
+        return _head(src, name, int(cap["bytes"]))
     if name == "stdlib":
         _no_options(name, kw)
         return Source("stdlib", files=stdlib_files(), root=Path(sysconfig.get_paths()["stdlib"]))
@@ -63,6 +85,18 @@ def open_source(name: str, cache_dir=None, **kw) -> Source:
     if name.startswith("hf:"):
         return _hf_source(name[len("hf:"):], **kw)
     raise ValueError(f"unknown corpus source {name!r}; known sources: {', '.join(SOURCES)}")
+
+
+def _head(src: Source, name: str, max_bytes: int) -> Source:
+    """Return src cut to its first files of at most max_bytes in all (the first file whatever its size)."""
+    files, total = [], 0
+    for p in src.files or ():
+        size = p.stat().st_size
+        if files and total + size > max_bytes:
+            break
+        files.append(p)
+        total += size
+    return Source(name, files=files, root=src.root, options={**src.options, "max_bytes": max_bytes})
 
 
 def _no_options(name: str, kw: dict) -> None:

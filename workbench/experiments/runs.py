@@ -267,6 +267,7 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     Raises ValueError naming the argument or config field, its value and what is allowed.
     """
     from ..data.corpus import SOURCES, SPECIAL_TOKENS
+    from ..data.sources import check_source_name
     from ..data.tasks import TASKS
     from ..train import TrainConfig, check_fit
 
@@ -274,8 +275,10 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
         fail("model", model, "must be a mapping of LoopConfig fields")
     if not isinstance(train, dict):
         fail("train", train, "must be a mapping of TrainConfig fields")
-    if not isinstance(corpus, str) or not (corpus in ("stdlib", "shakespeare") or corpus.startswith(("path:", "hf:"))):
-        fail("corpus", corpus, f"must be one of {', '.join(SOURCES)}")
+    try:
+        check_source_name(corpus)
+    except ValueError:
+        fail("corpus", corpus, f"must be one of {', '.join(SOURCES)} (a [:BYTES] cap on a file source)")
     check_int("vocab_size", vocab_size, 256 + len(SPECIAL_TOKENS),
               allowed=f"must be an integer >= {256 + len(SPECIAL_TOKENS)} (256 bytes + the end-of-text id)")
     if isinstance(tasks, (str, bytes)) or not isinstance(tasks, (list, tuple)):
