@@ -238,7 +238,7 @@ def plant_conditioning_run(root, key, cfg, seed, knowledge, reasoning, loops=(1,
 
 
 def test_conditioning_claims_pair_each_arm_with_plain_per_seed_and_correct_within_each_family(tmp_path):
-    from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
+    from workbench.experiments.conditioning_findings import arm_of, conditioning_claim_rows, conditioning_claims
 
     rng = np.random.default_rng(1)
     base_k = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7])
@@ -266,6 +266,13 @@ def test_conditioning_claims_pair_each_arm_with_plain_per_seed_and_correct_withi
         c.seeds.sel(comparison="scalar_injection")) == 2
     assert c.family_size.sel(comparison="hlg").item() == 4 and c.family_size.sel(comparison="dense_injection") == 1
     assert bool(np.isnan(c.per_seed.sel(comparison="scalar_injection", seed=2)))
+    rows = conditioning_claim_rows(c)  # what findings.md quotes, one per comparison
+    assert len(rows) == 6 and rows[1].startswith("| seeds | first_knowledge | BaseLoop: knowledge(2K) - knowledge(K) | ")
+    assert rows[1].endswith('| "knowledge fell from 62.80 to 52.11" | replicates |')
+    hlg = c.sel(comparison="hlg")
+    assert (f"| {float(hlg.difference):+.3f} [{float(hlg.low):+.3f}, {float(hlg.high):+.3f}] |" in rows[2]
+            and "H+LG - plain" in rows[2])
+    assert rows[5].split(" | ")[3].endswith(" / -")  # scalar injection: no seed 2
 
 
 def test_conditioning_reasoning_pools_the_trained_depths_with_those_past_them_by_count():
