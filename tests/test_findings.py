@@ -972,3 +972,31 @@ def test_seed_0s_second_chain_is_quoted_as_it_ran_and_its_inverse_read_against_i
     assert (f"{float(claims.difference):+.3f} [{float(claims.low):+.3f}, {float(claims.high):+.3f}] (3 seeds)" in head[2]
             and head[3].startswith(f"interference: {claims.verdict.item()} (3 seeds, Holm over 6)"))
 
+
+
+def test_the_depth_gains_past_K_are_what_the_committed_seeds_runs_give():
+    from workbench.experiments.conditioning_findings import depth_gain_rows, depth_gains
+
+    g, text = summary_is_quoted("conditioning_seeds/depth_gains.nc",
+                                lambda: depth_gains(DOCS / "findings", "conditioning_seeds"), depth_gain_rows)
+    mean = g.gain.mean("seed")
+    assert (mean < 0).all()  # "in both arms the accuracy falls at every depth"
+    b = g.sel(arm="BaseLoop", times=2)
+    head = next(r for r in headline_rows() if r[0].startswith("Harder reasoning instances"))
+    lo, hi = float(mean.sel(arm="BaseLoop", times=2).min()), float(mean.sel(arm="BaseLoop", times=2).max())
+    assert f"(mean over seeds {lo:+.2f} to {hi:+.2f})".replace("+", "") in head[2].replace("+", "")
+    assert f"{float(b.slope_mean):+.4f} [{float(b.slope_low):+.4f}, {float(b.slope_high):+.4f}] per depth" in head[2]
+    assert head[3].startswith(f"{b.verdict.item()} (3 seeds, 1 comparison, post hoc)") and g.sizes["seed"] == 3
+    reading = " ".join(section(text, "Loop conditioning").split())
+    assert f"BaseLoop at 2K: slope {float(b.slope_mean):+.4f} per depth" in reading
+    import numpy as np
+    from workbench.stats import seed_interval
+
+    nine = seed_interval([np.polyfit(range(1, 10), v, 1)[0] for v in b.gain.sel(depth=range(1, 10)).values])
+    assert f"BaseLoop at 2K {nine.mean:+.4f} [{nine.low:+.4f}, {nine.high:+.4f}]" in reading
+    from workbench.experiments.conditioning_findings import _runs
+
+    runs, K = _runs(DOCS / "findings", "conditioning_seeds")
+    at_k = np.mean([runs["BaseLoop", s].task_accuracy.sel(task="iterated", loop=K).values for s in range(3)], axis=0)
+    depth = list(runs["BaseLoop", 0].depth.values)
+    assert f"depth 11 at {at_k[depth.index(11)]:.2f} and depth 10 at {at_k[depth.index(10)]:.2f}" in reading

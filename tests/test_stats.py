@@ -285,3 +285,52 @@ def test_conditioning_reasoning_pools_the_trained_depths_with_those_past_them_by
     acc = _pooled(ds)
     assert float(acc.sel(loop=4, group="reasoning")) == pytest.approx((384 * 1.0 + 128 * 0.25) / 512)
     assert float(acc.sel(loop=4, group="knowledge")) == 0.5 and float(ds.group_accuracy[0, 1]) == 1.0  # a copy
+
+
+def plant_depth_run(root, key, cfg, seed, gain, loops=(1, 2, 4, 8, 12)):
+    """Write a finished conditioning/train run whose iterated accuracy at depths 1-6 is 0.9 at r = 4 (K) and
+    0.9 + gain[d - 1] at r = 8 and 12; depth 0 has no examples (NaN), as in the real runs."""
+    d = root / "conditioning" / "train" / key
+    d.mkdir(parents=True)
+    acc = np.full((len(loops), 2, 7), np.nan)
+    for i, r in enumerate(loops):
+        acc[i, 0, 1:] = 0.9 + (np.asarray(gain) if r > 4 else 0.0)
+        acc[i, 1, 0] = 1.0
+    trained = np.zeros((2, 7), bool)
+    trained[0, 1:4] = True
+    xr.Dataset({"task_accuracy": (("loop", "task", "depth"), acc), "task_trained": (("task", "depth"), trained)},
+               coords={"loop": list(loops), "task": ["iterated", "recall"], "depth": list(range(7))},
+               attrs={"config_json": json.dumps({"loops": 4, "prelude": 1, "coda": 1, "inject": "none",
+                                                 "history": 0, "timestep": "none", **cfg})}).to_netcdf(
+        d / "results.nc", engine="h5netcdf")
+    (d / "run.json").write_text(json.dumps({"status": "done", "finished": key, "params": {"seed": seed}}))
+
+
+def test_depth_gains_give_each_seeds_slope_of_the_gain_past_K_on_depth_and_a_t_interval_over_seeds(tmp_path):
+    from scipy import stats as st
+
+    from workbench.experiments.conditioning_findings import depth_gain_rows, depth_gains
+
+    depths = np.arange(1, 7)
+    for s, b in enumerate((0.01, 0.02, 0.03)):  # BaseLoop: deeper instances gain more, by b per depth
+        plant_depth_run(tmp_path, f"base{s}", {"prelude": 0, "coda": 0}, s, -0.05 + b * depths)
+        plant_depth_run(tmp_path, f"plain{s}", {}, s, -0.04 * depths + 0.001 * s)  # deeper lose more
+    g = depth_gains(tmp_path, times=(2, 3))
+    assert g.depth.values.tolist() == [1, 2, 3, 4, 5, 6] and g.trained.values.tolist() == [True] * 3 + [False] * 3
+    np.testing.assert_allclose(g.slope.sel(arm="BaseLoop", times=2).values, [0.01, 0.02, 0.03], atol=1e-12)
+    half = float(st.t.ppf(0.975, 2)) * 0.01 / np.sqrt(3)  # sd of 0.01, 0.02, 0.03 is 0.01
+    b = g.sel(arm="BaseLoop", times=2)
+    assert (float(b.slope_mean), float(b.slope_low), float(b.slope_high)) == pytest.approx((0.02, 0.02 - half, 0.02 + half))
+    assert b.verdict.item() == "inconclusive"  # the interval holds 0 at three seeds this spread
+    assert float(g.slope_mean.sel(arm="plain", times=3)) == pytest.approx(-0.04)
+    assert g.verdict.sel(arm="plain").values.tolist() == ["-", "-"]  # one comparison: the first arm at 2K
+    rows = depth_gain_rows(g)
+    assert rows[0].startswith("| BaseLoop | 4 to 8 | -0.03 / -0.01 / +0.01 / +0.03 / +0.05 / +0.07 | +0.0200 [")
+    assert rows[0].endswith("| inconclusive |") and len(rows) == 4
+    for s in range(3):  # every seed's slope steep and alike: the interval leaves 0, against the paper's "not more"
+        plant_depth_run(tmp_path / "steep", f"base{s}", {"prelude": 0, "coda": 0}, s, 0.1 * depths + 0.001 * s ** 2)
+        plant_depth_run(tmp_path / "steep", f"plain{s}", {}, s, 0 * depths)
+    assert depth_gains(tmp_path / "steep").verdict.sel(arm="BaseLoop", times=2).item() == "opposite"
+    plant_depth_run(tmp_path / "one", "base0", {"prelude": 0, "coda": 0}, 0, 0 * depths)
+    with pytest.raises(ValueError, match="2 or more seeds of each arm"):
+        depth_gains(tmp_path / "one")

@@ -34,7 +34,7 @@ import numpy as np
 import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
-from ..stats import claim_variables, correct_family, seed_interval
+from ..stats import claim_variables, correct_family, seed_interval, verdict
 
 # (family, comparison, arm a, arm b or "", statistic, the paper's sign; 0: no direction claimed)
 COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - reasoning(K)", +1),
@@ -60,8 +60,8 @@ def arm_of(cfg: dict) -> str:
     return f"inject={inject},history={history}{cfg.get('history_op', '')},timestep={timestep}"
 
 
-def _accuracy(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.DataArray], int]:
-    """Return ({(arm, seed): group_accuracy [loop, group] at the trained depths}, K) of the done train runs."""
+def _runs(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.Dataset], int]:
+    """Return ({(arm, seed): results} of the done train runs, K), refusing two runs of one arm and seed or two K."""
     out, Ks = {}, set()
     for d in find_runs(pipeline, "train", runs_dir):
         ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
@@ -70,11 +70,17 @@ def _accuracy(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.DataArr
         key = (arm_of(cfg), seed)
         if key in out:
             raise ValueError(f"two finished {pipeline}/train runs of arm {key[0]} seed {seed} under {runs_dir}")
-        out[key] = _pooled(ds)
+        out[key] = ds
         Ks.add(int(cfg["loops"]))
     if len(Ks) > 1:
         raise ValueError(f"the {pipeline} runs under {runs_dir} trained at several K ({sorted(Ks)}): one K per claim")
     return out, (Ks.pop() if Ks else 0)
+
+
+def _accuracy(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.DataArray], int]:
+    """Return ({(arm, seed): group_accuracy [loop, group] at the trained depths}, K) of the done train runs."""
+    runs, K = _runs(runs_dir, pipeline)
+    return {k: _pooled(ds) for k, ds in runs.items()}, K
 
 
 def _pooled(ds: xr.Dataset) -> xr.DataArray:
@@ -139,6 +145,64 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
         "training_loops": K, "interval": "95% Student t over per-seed differences",
         "correction": "Holm p-values and Bonferroni intervals at 1 - 0.05/m within each family",
         "overall": "mean of knowledge (trained facts) and reasoning (every evaluated depth) accuracy"})
+
+
+def depth_gains(runs_dir: str | os.PathLike, pipeline: str = "conditioning", arms: tuple[str, ...] = ("BaseLoop", "plain"),
+                times: tuple[int, ...] = (2, 3)) -> xr.Dataset:
+    """Return the reasoning task's accuracy gain from r = K to r = m K per depth (`gain` [arm, times, seed, depth],
+    every evaluated depth, trained or past them), each seed's least-squares slope of that gain on depth (`slope`
+    [arm, times, seed]) and its mean over seeds with a 95% t interval and p (`slope_mean`, `slope_low`,
+    `slope_high`, `slope_p`): "do harder (deeper) instances benefit more from loops past K?" (seeds/004)."""
+    runs, K = _runs(runs_dir, pipeline)
+    have = {a: sorted(s for b, s in runs if b == a) for a in arms}
+    short = {a: v for a, v in have.items() if len(v) < 2}
+    if short:
+        raise ValueError(f"depth_gains needs 2 or more seeds of each arm under {runs_dir}; seeds found: {short}")
+    seeds = sorted({s for v in have.values() for s in v})
+    ref = runs[arms[0], have[arms[0]][0]]
+    first = ref.task_accuracy.sel(task="iterated")
+    depths = [int(d) for d in first.depth.values if int(d) > 0 and np.isfinite(first.sel(depth=d, loop=K))]
+    gain = np.full((len(arms), len(times), len(seeds), len(depths)), np.nan)
+    for i, a in enumerate(arms):
+        for s in have[a]:
+            acc = runs[a, s].task_accuracy.sel(task="iterated", depth=depths)
+            for j, m in enumerate(times):
+                gain[i, j, seeds.index(s)] = (acc.sel(loop=m * K) - acc.sel(loop=K)).values
+    slope = np.full(gain.shape[:3], np.nan)
+    for idx in np.ndindex(*slope.shape):
+        if np.isfinite(gain[idx]).all():
+            slope[idx] = np.polyfit(depths, gain[idx], 1)[0]
+    ci = [[seed_interval(v[np.isfinite(v)]) for v in row] for row in slope]
+    dims = ("arm", "times")
+    # one comparison (chosen after the BaseLoop runs ended): the paper's arm at 2K; "not more" is slope <= 0, so a
+    # slope above zero is the opposite and one that holds zero is inconclusive (an interval cannot confirm a null)
+    verdicts = [["-"] * len(times) for _ in arms]
+    verdicts[0][0] = verdict(ci[0][0], -1)
+    return xr.Dataset(
+        {"gain": (("arm", "times", "seed", "depth"), gain), "slope": (("arm", "times", "seed"), slope),
+         **{f"slope_{k}": (dims, [[getattr(c, f) for c in row] for row in ci])
+            for k, f in (("mean", "mean"), ("low", "low"), ("high", "high"), ("p", "p"))},
+         "verdict": (dims, verdicts),
+         "trained": ("depth", ref.task_trained.sel(task="iterated", depth=depths).values.astype(bool)
+                     if "task_trained" in ref else np.zeros(len(depths), bool))},
+        coords={"arm": list(arms), "times": list(times), "seed": seeds, "depth": depths},
+        attrs={"training_loops": K, "gain": "iterated-addition accuracy at r = times * K minus at r = K, per depth",
+               "slope": "least-squares slope of the gain on depth, per seed (per depth of the chain)",
+               "interval": "95% Student t over seeds", "comparisons": 1})
+
+
+def depth_gain_rows(gains: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's rows of `depth_gains`: arm, r, the mean gain over seeds at each depth, the slope's
+    mean [95% t over seeds], p and the verdict (the first arm at the first multiple of K; "-" elsewhere)."""
+    out, K = [], int(gains.attrs["training_loops"])
+    for a in gains.arm.values:
+        for m in gains.times.values:
+            g = gains.sel(arm=a, times=m)
+            per_depth = " / ".join(f"{float(v):+.2f}" for v in g.gain.mean("seed").values)
+            out.append(f"| {a} | {K} to {int(m) * K} | {per_depth} | {float(g.slope_mean):+.4f} "
+                       f"[{float(g.slope_low):+.4f}, {float(g.slope_high):+.4f}] | {float(g.slope_p):.2f} | "
+                       f"{g.verdict.item()} |")
+    return out
 
 
 PAPER = {"first_reasoning": "reasoning rose from 28.52 at L(r)=20 to 31.49 at L(r)=40",
