@@ -861,6 +861,53 @@ def test_the_conditioning_claims_table_is_what_the_committed_seeds_runs_give():
         assert attrs["git_commit"].startswith("4db4f1f") and attrs["precision"] == "fp32" and "`4db4f1f`" in reading
 
 
+
+def test_the_h_lg_and_dense_history_seeds_hold_what_the_document_quotes():
+    """H+LG's three seeds against plain (headline, section and reading) and dense history's one seed, as quoted."""
+    from workbench.experiments.conditioning_findings import _accuracy, conditioning_claims
+
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    s = conditioning_claims(DOCS / "findings", "conditioning_seeds")
+    r = s.sel(comparison="hlg")
+    quoted = f"{float(r.difference):+.3f} [{float(r.low):+.3f}, {float(r.high):+.3f}]"
+    both = headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
+    rows = [row for row in both if row[0] == "History-state and timestep conditioning are the strongest pair"]
+    assert len(rows) == 2  # the headline and the conditioning section's row
+    assert r.verdict.item() == "inconclusive" and (s.per_seed.sel(comparison="hlg") < 0).all()  # "below plain in every seed"
+    for row in rows:
+        assert quoted in row[2] and row[3].startswith("inconclusive (3 seeds, Holm over 4): below plain in every seed")
+
+    def overall(arm, seed, loop):
+        return float(acc[arm, seed].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
+
+    def span(arm, loop, group=None):
+        v = sorted(overall(arm, seed, loop) if group is None else float(acc[arm, seed].sel(group=group, loop=loop))
+                   for seed in (0, 1, 2))
+        return f"{v[0]:.2f}-{v[-1]:.2f}"
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert (f"at r = K it matches plain (overall {span('H+LG', K)} against {span('plain', K)})" in reading
+            and f"at r = 2 overall {span('H+LG', 2)} against plain's {span('plain', 2)}, at 2K {span('H+LG', 2 * K)} "
+                f"against {span('plain', 2 * K)} and at 3K {span('H+LG', 3 * K)} against {span('plain', 3 * K)}" in reading
+            and f"reasoning ({span('H+LG', 2 * K, 'reasoning')} at 2K against {span('plain', 2 * K, 'reasoning')})" in reading
+            and f"above it past K too (overall {span('BaseLoop', 2 * K)} at 2K)" in reading)
+    for row in rows:
+        assert "(0.84-0.87 against 0.82-0.90)" in row[2] and f"(2K: {span('H+LG', 2 * K)} against {span('plain', 2 * K)})" in row[2]
+    assert span("H+LG", K) == "0.84-0.87" and span("plain", K) == "0.82-0.90"
+    dense = [f"{overall('H(dense)', 0, x):.2f}" for x in (K, 2 * K, 3 * K)]
+    plain = " / ".join(f"{overall('plain', 0, x):.2f}" for x in (K, 2 * K, 3 * K))
+    assert ("H(dense)", 1) not in acc  # "one seed"
+    assert f"overall {dense[0]} at K, {dense[1]} at 2K and {dense[2]} at 3K" in reading
+    head = [row for row in both if row[0] == "History-state injection rescues deep extrapolation"]
+    assert len(head) == 2
+    for row in head:
+        assert f"overall accuracy {dense[0]} at K, {dense[1]} at 2K, {dense[2]} at 3K, against the same seed of plain's {plain}" in row[2]
+        assert row[3].startswith("dense w = 1: does not, one seed")
+    for key in ("50ae29905a31fd37", "961d7f030d01dabb", "1f0189d6e43e8129", "fcafaaf89dbd7c29"):  # H+LG 0-2, dense H 0
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("4db4f1f") and attrs["precision"] == "fp32"
+    assert "Comparisons read: 3 of 4" in reading
+
+
 RERUNS = [(1, "4c2996e3fd18af78", "da4fa7312fb36fe7"), (2, "82006018b68551f0", "34d5fee3724bf56b")]  # (seed, install at 709dd5d, the same seed's at 8f09c3d)
 
 
