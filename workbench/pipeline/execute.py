@@ -437,6 +437,12 @@ class DaskExecutor:
                     yield record_failed(futures[f], f"{type(e).__name__}: {e} (on the Dask cluster)")
         except BaseException:  # Ctrl-C: the local cluster's workers ignored it; their kernels save, then all stop
             if self.cluster is not None:
+                # the nannies live in this process and restart a worker that exits while they run, printing
+                # "Restarting worker" to stderr (a CI run's Ctrl-C showed two such lines); tell them first
+                # that the workers stopping next are meant to stop
+                for nanny in self.cluster.workers.values():
+                    if hasattr(nanny, "close_gracefully"):
+                        nanny.close_gracefully(reason="workbench run interrupted")
                 stop_started()
             raise
 
