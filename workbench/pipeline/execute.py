@@ -68,7 +68,8 @@ def socket_kernel_manager_class():
 
 
 def _kernel_manager_class():
-    """Return a socket kernel manager that sends the kernel's stderr to kernel.log in its working directory."""
+    """Return a socket kernel manager class for one run: the kernel's stderr goes to kernel.log in its working
+    directory, and its shutdown waits long only while a cell executes (`cell_hooks` tells it which)."""
 
     from traitlets import Float
 
@@ -77,6 +78,27 @@ def _kernel_manager_class():
         # later, then SIGKILL: jupyter_client's 5 s sent SIGTERM 2.5 s after SIGINT, while the training was
         # still finishing its step and saving, and a second signal stops a training unsaved
         shutdown_wait_time = Float(2.0 * KERNEL_SAVE_SECONDS)
+        executing = False  # a cell is executing (one class per run, so this is the run's own state)
+
+        @classmethod
+        def cell_hooks(cls) -> dict:
+            """Return nbclient's cell hooks that keep `executing` up to date (papermill passes them on)."""
+            def busy(**_):
+                cls.executing = True
+
+            def idle(**_):
+                cls.executing = False
+            return {"on_cell_execute": busy, "on_cell_executed": idle, "on_cell_error": idle}
+
+        async def shutdown_kernel(self, now: bool = False, restart: bool = False) -> None:
+            """Return None once the kernel is shut down; an idle kernel gets IDLE_KERNEL_EXIT_SECONDS to exit."""
+            # ipykernel 7.4's exit can deadlock after its shutdown reply (the control thread flushing stdout
+            # into the I/O thread the main thread has just stopped): measured here, 1 idle shutdown in 5-15
+            # took 10 s or 60 s (jupyter_client's half-wait, then SIGTERM) instead of 0.1 s. With every cell
+            # done there is nothing left to save, so SIGTERM comes after a short wait
+            if not type(self).executing:
+                self.shutdown_wait_time = 2.0 * IDLE_KERNEL_EXIT_SECONDS
+            await super().shutdown_kernel(now=now, restart=restart)
 
         # the kernel's own log lines (and any C-level crash message) stay with the run, not on the terminal
         async def _async_launch_kernel(self, kernel_cmd, **kw):
@@ -123,13 +145,14 @@ def execute_run(job: RunJob) -> dict:
         threads = {var: str(job.threads) for var in THREAD_VARS} if job.threads else {}
         started, t0 = now(), time.perf_counter()
         error = None
+        manager = _kernel_manager_class()
         with mock.patch.dict(os.environ, threads):
             try:
                 papermill.execute_notebook(str(job.notebook), str(RunDir(work).notebook),
                                            parameters={**job.params, "out_dir": "."}, cwd=str(work),
                                            kernel_name="python3", progress_bar=False, log_output=False,
                                            start_timeout=KERNEL_START_TIMEOUT,
-                                           kernel_manager_class=_kernel_manager_class())
+                                           kernel_manager_class=manager, **manager.cell_hooks())
             except PapermillExecutionError as e:
                 error = f"{e.ename}: {e.evalue} (cell {e.exec_count})"
             except Exception as e:  # kernel died, notebook unreadable, ...: still a recorded failure
@@ -236,6 +259,9 @@ class LocalExecutor:
         """Return None; nothing to release."""
 
 
+# Seconds an idle kernel (its notebook's cells all done) gets to exit after its shutdown request, and again after
+# SIGTERM: a healthy exit takes about 0.1 s
+IDLE_KERNEL_EXIT_SECONDS = 1.0
 # Seconds a runner that is stopping waits for its kernels to save their checkpoints and exit (a training saves
 # after its current step: well under a minute for every laptop profile, SmolLM2's retrofit included).
 KERNEL_SAVE_SECONDS = 60
