@@ -353,6 +353,15 @@ def _quiet_on_ctrl_c(start: Callable):
         signal.signal(signal.SIGINT, before)
 
 
+def _quiet_distributed_logs() -> None:
+    """Return None after raising every `distributed` logger of this process to CRITICAL (a teardown it started)."""
+    import logging
+
+    names = [n for n in logging.root.manager.loggerDict if n == "distributed" or n.startswith("distributed.")]
+    for name in ["distributed", *names]:  # children dask configured apart (distributed.client) do not inherit it
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def machine_cores() -> int:
     """Return the CPU cores this process may use (its affinity mask, which containers and taskset narrow)."""
     try:
@@ -463,9 +472,12 @@ class DaskExecutor:
                     yield record_failed(futures[f], f"{type(e).__name__}: {e} (on the Dask cluster)")
         except BaseException:  # Ctrl-C: the local cluster's workers ignored it; their kernels save, then all stop
             if self.cluster is not None:
-                # the nannies live in this process and restart a worker that exits while they run, printing
-                # "Restarting worker" to stderr (a CI run's Ctrl-C showed two such lines); tell them first
-                # that the workers stopping next are meant to stop
+                # the cluster's scheduler and nannies live in this process and log what the teardown does to
+                # them ("Restarting worker" in a CI run; "Batched Comm Closed" with a traceback here, at INFO,
+                # after LocalCluster's own silencing had ended): beside the runner's one line that is noise
+                _quiet_distributed_logs()
+                # a nanny restarts a worker that exits while it runs: tell them the workers stopping next are
+                # meant to stop
                 for nanny in self.cluster.workers.values():
                     if hasattr(nanny, "close_gracefully"):
                         nanny.close_gracefully(reason="workbench run interrupted")
