@@ -267,6 +267,7 @@ def test_failed_run_is_recorded_others_go_on_and_exit_is_nonzero(project, capsys
     assert len(pipeline.find_runs("demo", "a", runs)) == 3
 
 
+@pytest.mark.slow
 def test_a_kernel_stuck_at_exit_after_its_last_cell_costs_seconds_not_a_minute(project):
     """ipykernel 7.4 sometimes deadlocks in its exit after the shutdown reply; jupyter_client then waited half of
     shutdown_wait_time (60 s here) before SIGTERM. A run whose cells are all done gets IDLE_KERNEL_EXIT_SECONDS."""
