@@ -385,8 +385,8 @@ def _quiet_distributed_logs() -> None:
     """Return None after raising every `distributed` logger of this process to CRITICAL (a teardown it started)."""
     import logging
 
-    names = [n for n in logging.root.manager.loggerDict if n == "distributed" or n.startswith("distributed.")]
-    for name in ["distributed", *names]:  # children dask configured apart (distributed.client) do not inherit it
+    # the children dask configured apart (distributed.client) do not inherit the parent's level
+    for name in {"distributed", *(n for n in logging.root.manager.loggerDict if n.startswith("distributed."))}:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -506,9 +506,8 @@ class DaskExecutor:
                 _quiet_distributed_logs()
                 # a nanny restarts a worker that exits while it runs: tell them the workers stopping next are
                 # meant to stop
-                for nanny in self.cluster.workers.values():
-                    if hasattr(nanny, "close_gracefully"):
-                        nanny.close_gracefully(reason="workbench run interrupted")
+                for nanny in self.cluster.workers.values():  # processes=True: each worker has a nanny
+                    nanny.close_gracefully(reason="workbench run interrupted")
                 stop_started()
             raise
 
