@@ -9,7 +9,8 @@ import pytest
 import xarray as xr
 
 from workbench.experiments.allocation_findings import (allocation_claim_rows, allocation_claims, arm_name,
-                                                       terminal_to_core_claims, terminal_to_core_rows)
+                                                       horizon_claim_rows, horizon_claims, terminal_to_core_claims,
+                                                       terminal_to_core_rows)
 from workbench.io import RunDir, save_netcdf
 
 LOOPS = [1, 2, 3, 4, 6, 8, 9, 12, 18]
@@ -149,3 +150,38 @@ def test_the_terminal_to_core_ratio_reads_the_coda_and_the_loop_planted_in_it(ru
     assert t.attrs["comparisons"] == 3
     rows = terminal_to_core_rows(t)
     assert len(rows) == 9 + 7 and rows[-1].endswith("| no direction |") and "(m = 3)" in rows[9]
+
+
+# the loss at K planted per arm: sharing costs 0.05 per halving of the distinct core layers (2x6 the most, 12x1
+# nothing), and of the 2x4-core placements only the coda-only model differs (0.1 below the others)
+HORIZON_LEVEL = {"1+2x6+1": 0.15, "1+3x4+1": 0.10, "1+4x3+1": 0.05, "1+6x2+1": 0.0, "1+12x1+1": -0.05,
+                 "0+2x4+2": -0.1}
+
+
+def test_the_horizon_comparisons_read_the_loss_at_k_planted_in_each_arm_paired_per_window(tmp_path):
+    rng = np.random.default_rng(1)
+    windows = 16
+    for s in range(3):
+        difficulty = 4.0 + rng.normal(0, 0.5, windows)  # shared by the arms of a seed: only pairing cancels it
+        for i, a in enumerate(ARMS):
+            name = arm_name(a)
+            level = HORIZON_LEVEL.get(name, 0.0) + rng.normal(0, 0.005)  # seed-to-seed variation of each model
+            loss = np.array([difficulty + level + 0.01 * abs(r - a["loops"]) + rng.normal(0, 0.01, windows)
+                             for r in LOOPS])
+            write_run(tmp_path, "train", f"s{s}a{i}", {**a, "seed": s, "data_seed": 0},
+                      xr.Dataset({"window_loss": (("loop", "window"), loss)}, coords={"loop": LOOPS}))
+    h = horizon_claims(tmp_path)
+    row = {(str(q), str(a), str(b)): h.isel(comparison=i)
+           for i, (q, a, b) in enumerate(zip(h.question.values, h.a.values, h.b.values))}
+    for a, cost in (("1+2x6+1", 0.2), ("1+3x4+1", 0.15), ("1+4x3+1", 0.1), ("1+6x2+1", 0.05)):
+        r = row["sharing", a, "1+12x1+1"]
+        assert float(r.difference) == pytest.approx(cost, abs=0.02) and r.verdict.item() == "replicates", a
+        assert int(r.family_size) == 4 and float(r.low_corrected) <= float(r.low) and float(r.p_holm) >= float(r.p)
+    coda = row["placement", "0+2x4+2", "2+2x4+0"]  # no paper direction: the difference, and no verdict
+    assert float(coda.difference) == pytest.approx(-0.1, abs=0.02) and coda.verdict.item() == "no direction"
+    same = row["placement", "1+2x4+1", "2+2x4+0"]  # nothing planted between these
+    assert float(same.low) < 0 < float(same.high)
+    assert h.attrs["comparisons"] == 4 and h.sizes["comparison"] == 7 and h.sizes["seed"] == 3
+    rows = horizon_claim_rows(h)
+    assert len(rows) == 7 and rows[0].count("|") == 7 and "(m = 4), Holm p" in rows[0]
+    assert rows[-1].endswith("| - | no direction |")
