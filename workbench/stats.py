@@ -111,6 +111,23 @@ def verdict(corrected: SeedInterval, direction: int) -> str:
     return "inconclusive"
 
 
+def equivalence_verdict(corrected: SeedInterval, margin: float) -> str:
+    """Return "replicates", "opposite" or "inconclusive" for a paper's claim of no difference beyond `margin`.
+
+    "replicates" when the corrected interval lies within [-margin, margin] (two one-sided tests, each at least as
+    strict as its level), "opposite" when it lies wholly outside that band (a difference larger than the paper
+    allows), else "inconclusive"; fewer than 3 seeds are always "inconclusive".
+    """
+    check_float("margin", margin, 0, lo_open=True, allowed="must be a number > 0 (the paper's largest change)")
+    if corrected.n < 3:
+        return "inconclusive"
+    if -margin <= corrected.low and corrected.high <= margin:
+        return "replicates"
+    if corrected.low > margin or corrected.high < -margin:
+        return "opposite"
+    return "inconclusive"
+
+
 def correct_family(rows: list[dict], m: int | None = None) -> None:
     """Return None after giving each row of one family its Holm p (`p_holm`), Bonferroni interval (`corrected`),
     `verdict` and family size `m`.
