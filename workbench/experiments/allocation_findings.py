@@ -278,13 +278,17 @@ def terminal_to_core_rows(claims: xr.Dataset) -> list[str]:
            + " / ".join(f"{float(v):.3f}" for v in claims.ratio.sel(arm=a).values) + " |"
            for a, k, m, lo, hi in zip(claims.arm.values, claims.training_loops.values, claims.ratio_mean.values,
                                       claims.ratio_low.values, claims.ratio_high.values)]
-    for i in range(claims.sizes["comparison"]):
-        s = claims.isel(comparison=i)
-        corrected = (f"[{float(s.low_corrected):+.3f}, {float(s.high_corrected):+.3f}] (m = {int(s.family_size)}), "
-                     f"Holm p {float(s.p_holm):.3f}") if int(s.sign) else "-"
-        out.append(f"| {s.question.item()} | {s.a.item()} − {s.b.item()} | {float(s.difference):+.3f} "
-                   f"[{float(s.low):+.3f}, {float(s.high):+.3f}] | {corrected} | {s.verdict.item()} |")
-    return out
+    return out + [_comparison_row(claims.isel(comparison=i)) for i in range(claims.sizes["comparison"])]
+
+
+def _comparison_row(s: xr.Dataset, *middle: str) -> str:
+    """Return one comparison's table row: question, a − b, any `middle` cells, mean [95% t], the corrected interval
+    with Holm's p (a dash without a paper direction) and the verdict."""
+    corrected = (f"[{float(s.low_corrected):+.3f}, {float(s.high_corrected):+.3f}] (m = {int(s.family_size)}), "
+                 f"Holm p {float(s.p_holm):.3f}") if int(s.sign) else "-"
+    cells = [s.question.item(), f"{s.a.item()} − {s.b.item()}", *middle,
+             f"{float(s.difference):+.3f} [{float(s.low):+.3f}, {float(s.high):+.3f}]", corrected, s.verdict.item()]
+    return "| " + " | ".join(cells) + " |"
 
 
 # The loss at the training horizon, chosen after the seeds profile had run (the one-seed laptop table had shown
@@ -309,8 +313,10 @@ def horizon_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation") ->
     for q, a, b, sign in HORIZON:
         if a in arms and b in arms:
             vals = _paired(runs, a, b, "at_K", "at_K", seeds)
+            both = [s for s in seeds if (a, s) in runs and (b, s) in runs]  # the seeds _paired read, in order
             if len(vals) >= 2:
-                rows.append({"question": q, "a": a, "b": b, "sign": sign, "values": vals, "ci": seed_interval(vals)})
+                rows.append({"question": q, "a": a, "b": b, "sign": sign, "values": vals, "ci": seed_interval(vals),
+                             "seeds": both})
     if not rows:
         raise ValueError(f"no horizon comparison under {runs_dir} has 2 or more seeds holding both arms")
     for q in dict.fromkeys(r["question"] for r in rows):
@@ -318,7 +324,8 @@ def horizon_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation") ->
     dim = "comparison"
     ds = xr.Dataset(
         {**claim_variables(rows, dim),
-         "per_seed": ((dim, "seed"), [r["values"] + [np.nan] * (len(seeds) - len(r["values"])) for r in rows])},
+         "per_seed": ((dim, "seed"), [[r["values"][r["seeds"].index(s)] if s in r["seeds"] else np.nan
+                                       for s in seeds] for r in rows])},
         coords={**{k: (dim, [r[k] for r in rows]) for k in ("question", "a", "b", "sign")}, "seed": seeds})
     ds.attrs = {"interval": "95% Student t over per-seed means of per-window differences of L(K)",
                 "correction": "sharing: Holm p-values and Bonferroni intervals at 1 - 0.05/m; placement has no "
@@ -329,12 +336,6 @@ def horizon_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation") ->
 
 def horizon_claim_rows(claims: xr.Dataset) -> list[str]:
     """Return docs/findings.md's rows: question, arms, L(K) difference per seed, mean [95% t], corrected, verdict."""
-    out = []
-    for i in range(claims.sizes["comparison"]):
-        s = claims.isel(comparison=i)
-        seeds = " / ".join(f"{float(v):+.3f}" for v in s.per_seed.values if np.isfinite(v))
-        corrected = (f"[{float(s.low_corrected):+.3f}, {float(s.high_corrected):+.3f}] (m = {int(s.family_size)}), "
-                     f"Holm p {float(s.p_holm):.3f}") if int(s.sign) else "-"
-        out.append(f"| {s.question.item()} | {s.a.item()} − {s.b.item()} | {seeds} | {float(s.difference):+.3f} "
-                   f"[{float(s.low):+.3f}, {float(s.high):+.3f}] | {corrected} | {s.verdict.item()} |")
-    return out
+    rows = [claims.isel(comparison=i) for i in range(claims.sizes["comparison"])]
+    return [_comparison_row(s, " / ".join(f"{float(v):+.3f}" for v in s.per_seed.values if np.isfinite(v)))
+            for s in rows]
