@@ -972,6 +972,38 @@ def test_the_h_lg_and_dense_history_seeds_hold_what_the_document_quotes():
     assert "Comparisons read: 4 of 4" in reading
 
 
+def test_dense_initial_state_injection_holds_what_the_document_quotes():
+    """Dense injection's seeds against plain: the claims row, the headline and the reading, as quoted."""
+    from workbench.experiments.conditioning_findings import _accuracy, conditioning_claims
+
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    s = conditioning_claims(DOCS / "findings", "conditioning_seeds")
+    seeds = sorted(sd for a, sd in acc if a == "I(dense)")
+    d = s.sel(comparison="dense_injection")
+    assert int(d.seeds) == len(seeds) >= 2 and int(d.family_size) == 1
+    assert (d.per_seed.sel(seed=seeds) < 0).all()  # "it collapses past K in every seed"
+    assert d.verdict.item() == ("replicates" if len(seeds) >= 3 else "inconclusive")
+
+    def span(arm, loop, group=None):
+        v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
+                   if group is None else float(acc[arm, sd].sel(group=group, loop=loop)) for sd in seeds)
+        return f"{v[0]:.2f}-{v[-1]:.2f}"
+    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
+            if r[0] == "Initial-state injection is limited"]
+    assert len(head) == 2
+    ci = f"{float(d.difference):+.3f} [{float(d.low):+.3f}, {float(d.high):+.3f}]"
+    for row in head:
+        assert f"minus plain {ci}" in row[2] and row[3].startswith(f"dense: {d.verdict.item()}")
+        assert (f"overall {span('I(dense)', K)} at K, {span('I(dense)', int(1.5 * K))} at 1.5K, "
+                f"{span('I(dense)', 2 * K)} at 2K and {span('I(dense)', 3 * K)} at 3K") in row[2]
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert (f"by 2K nothing is left ({span('I(dense)', 2 * K)} at 2K and {span('I(dense)', 3 * K)} at 3K against "
+            f"plain's {span('plain', 2 * K)} and {span('plain', 3 * K)})") in reading
+    for key in ("3390d72d29f7a11a",):  # dense injection seed 0
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("4db4f1f") and attrs["precision"] == "fp32"
+
+
 RERUNS = [(1, "4c2996e3fd18af78", "da4fa7312fb36fe7"), (2, "82006018b68551f0", "34d5fee3724bf56b")]  # (seed, install at 709dd5d, the same seed's at 8f09c3d)
 
 
