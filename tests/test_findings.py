@@ -552,6 +552,7 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
         "Loops of a shared block cost loss against distinct layers at matched training compute",
         "Past the training horizon recurrence improves reasoning and degrades knowledge",
         "Prelude-heavy allocations extrapolate better", "Convergence alone does not explain extrapolation",
+        "Initial-state injection is limited",
         "Full BPTT through fewer loops beats truncation at matched compute",
         "The gradient truncation loses is set near the output",
         "Retrofitting recurrent depth into a pretrained model: one step per loop, kept after annealing; extrapolation "
