@@ -258,8 +258,7 @@ def terminal_to_core_claims(runs_dir: str | os.PathLike, pipeline: str = "alloca
     per_arm = [seed_interval(r[np.isfinite(r)]) for r in ratio]
     ds = xr.Dataset(
         {**claim_variables(rows, dim),
-         "per_seed": ((dim, "seed"), [[r["values"][r["seeds"].index(s)] if s in r["seeds"] else np.nan
-                                       for s in seeds] for r in rows]),
+         "per_seed": ((dim, "seed"), _per_seed(rows, seeds)),
          "ratio": (("arm", "seed"), ratio, {"long_name": "terminal-to-core response ratio"}),
          "ratio_mean": ("arm", [c.mean for c in per_arm]), "ratio_low": ("arm", [c.low for c in per_arm]),
          "ratio_high": ("arm", [c.high for c in per_arm])},
@@ -270,6 +269,11 @@ def terminal_to_core_claims(runs_dir: str | os.PathLike, pipeline: str = "alloca
                               "have no paper direction (plain intervals)",
                 "comparisons": int(sum(1 for r in rows if r["sign"]))}
     return ds
+
+
+def _per_seed(rows: list[dict], seeds: list[int]) -> list[list[float]]:
+    """Return each row's value per seed of `seeds` (NaN where that seed lacks one of its arms)."""
+    return [[r["values"][r["seeds"].index(s)] if s in r["seeds"] else np.nan for s in seeds] for r in rows]
 
 
 def terminal_to_core_rows(claims: xr.Dataset) -> list[str]:
@@ -312,8 +316,8 @@ def horizon_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation") ->
     rows = []
     for q, a, b, sign in HORIZON:
         if a in arms and b in arms:
-            vals = _paired(runs, a, b, "at_K", "at_K", seeds)
-            both = [s for s in seeds if (a, s) in runs and (b, s) in runs]  # the seeds _paired read, in order
+            both = [s for s in seeds if (a, s) in runs and (b, s) in runs]
+            vals = _paired(runs, a, b, "at_K", "at_K", both)
             if len(vals) >= 2:
                 rows.append({"question": q, "a": a, "b": b, "sign": sign, "values": vals, "ci": seed_interval(vals),
                              "seeds": both})
@@ -324,8 +328,7 @@ def horizon_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation") ->
     dim = "comparison"
     ds = xr.Dataset(
         {**claim_variables(rows, dim),
-         "per_seed": ((dim, "seed"), [[r["values"][r["seeds"].index(s)] if s in r["seeds"] else np.nan
-                                       for s in seeds] for r in rows])},
+         "per_seed": ((dim, "seed"), _per_seed(rows, seeds))},
         coords={**{k: (dim, [r[k] for r in rows]) for k in ("question", "a", "b", "sign")}, "seed": seeds})
     ds.attrs = {"interval": "95% Student t over per-seed means of per-window differences of L(K)",
                 "correction": "sharing: Holm p-values and Bonferroni intervals at 1 - 0.05/m; placement has no "
