@@ -334,3 +334,47 @@ def test_depth_gains_give_each_seeds_slope_of_the_gain_past_K_on_depth_and_a_t_i
     plant_depth_run(tmp_path / "one", "base0", {"prelude": 0, "coda": 0}, 0, 0 * depths)
     with pytest.raises(ValueError, match="2 or more seeds of each arm"):
         depth_gains(tmp_path / "one")
+
+
+def test_the_interaction_family_compares_log_cross_loop_response_per_seed(tmp_path):
+    """Planted: channel-wise injection's cross-loop response 7x dense's in every seed (with a little noise): the
+    family `interaction` gives log 7 with a t interval over seeds and "replicates"; half of it would still be up."""
+    from workbench.experiments.conditioning_findings import conditioning_claim_rows, conditioning_claims
+
+    rng = np.random.default_rng(3)
+    for s in range(3):
+        for arm, cfg in (("plain", {}), ("I(dense)", {"inject": "dense"})):
+            plant_conditioning_run(tmp_path, f"{arm}{s}", cfg, s, np.full(6, 0.8), np.full(6, 0.5))
+    dense = np.array([0.05, 0.06, 0.04])
+    channel = 7 * dense * np.exp(rng.normal(0, 0.05, 3))
+    inter = xr.Dataset({"cross_loop": ("run", np.r_[channel, dense])},
+                       coords={"run": [f"r{i}" for i in range(6)], "arm": ("run", ["I(channel)"] * 3 + ["I(dense)"] * 3),
+                               "train_seed": ("run", [0, 1, 2, 0, 1, 2])})
+    c = conditioning_claims(tmp_path, interaction=inter)
+    x = c.sel(comparison="cross_loop")
+    assert x.family.item() == "interaction" and int(x.family_size) == 1 and int(x.seeds) == 3
+    assert float(x.difference) == pytest.approx(np.log(7), abs=0.1) and x.verdict.item() == "replicates"
+    assert np.allclose(x.per_seed.values, np.log(channel / dense))
+    assert "cross_loop" not in conditioning_claims(tmp_path).comparison.values  # no interaction given: no row
+    row = [r for r in conditioning_claim_rows(c) if "| cross_loop |" in r][0]
+    assert row.startswith("| interaction | cross_loop | I(channel) - I(dense): log mean C") and row.endswith("| replicates |")
+
+
+def test_interaction_by_run_reads_each_checkpoint_at_its_training_loop_count(tmp_path):
+    """Two tiny trained runs: arm and seed from the run, the probe's by-lag means equal probes.interaction's on the
+    same held-out windows, and cross_loop is their mean past lag 0."""
+    from workbench.experiments import load_run, train_run
+    from workbench.experiments.conditioning_findings import interaction_by_run
+    from workbench.probes import interaction
+
+    model = dict(d_model=16, n_heads=2, n_kv_heads=1, prelude=1, core=1, coda=1, loops=3, max_seq_len=64)
+    for name, inject, seed in (("a", "channel", 0), ("b", "dense", 1)):
+        train_run(tmp_path / name, {**model, "inject": inject}, dict(steps=2, batch_size=2, seq_len=32, bf16="off"),
+                  vocab_size=300, eval_loops=[1], seed=seed, data_seed=0)
+    ds = interaction_by_run([tmp_path / "a", tmp_path / "b"], n_sequences=2, seq_len=32)
+    assert ds.arm.values.tolist() == ["I(channel)", "I(dense)"] and ds.train_seed.values.tolist() == [0, 1]
+    run = load_run(tmp_path / "b", device="cpu")
+    with torch.no_grad():
+        ref = interaction(run.model, run.val_tokens(2, 32, seed=0)[:, :-1], 3)
+    assert np.allclose(ds.interaction_by_lag.sel(run="b").values, ref.interaction_by_lag.values, equal_nan=True)
+    assert float(ds.cross_loop.sel(run="b")) == pytest.approx(float(ref.interaction_by_lag[1:].mean()))

@@ -22,12 +22,19 @@ Family `injection` (1 comparison): dense initial-state injection minus plain, ov
 3K ("collapsed catastrophically on overall and knowledge accuracy during loop extrapolation"), down. Scalar and
 channel-wise injection minus plain are given with their intervals and no verdict: the paper reports
 "negligible gains", a claim of no difference that an interval can bound but a direction cannot replicate.
+Family `interaction` (1 comparison, fixed before the channel-wise runs of the injection profile ended): the
+log of channel-wise injection's cross-loop response over dense injection's ("channel-wise initial-state injection
+showed nearly 7x the cross-loop response of Dense injection"), up. A run's cross-loop response is its mean
+computational interaction C(i -> j) over pairs of core occurrences one or more loops apart (lags 1..K-1, at
+r = K; `probes.interaction`, SPEC §3), read by `interaction_by_run` from the trained checkpoints on the
+geometry notebook's validation windows; `conditioning_claims(..., interaction=...)` adds the family.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,7 +50,9 @@ COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - rea
                ("seeds", "dense_history", "H(dense)", "plain", "overall at 3K", +1),
                ("injection", "dense_injection", "I(dense)", "plain", "overall, mean over r = 2K, 3K", -1),
                ("injection", "scalar_injection", "I(scalar)", "plain", "overall, mean over r = 2K, 3K", 0),
-               ("injection", "channel_injection", "I(channel)", "plain", "overall, mean over r = 2K, 3K", 0))
+               ("injection", "channel_injection", "I(channel)", "plain", "overall, mean over r = 2K, 3K", 0),
+               ("interaction", "cross_loop", "I(channel)", "I(dense)",
+                "log mean C over core pairs at loop lags 1..K-1, at r = K", +1))
 
 
 def arm_of(cfg: dict) -> str:
@@ -113,21 +122,30 @@ def _statistic(acc: xr.DataArray, name: str, K: int) -> float:
     return float(overall.sel(loop=[at["2K"], at["3K"]]).mean())  # the injection comparisons
 
 
-def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioning") -> xr.Dataset:
+def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioning",
+                        interaction: xr.Dataset | None = None) -> xr.Dataset:
     """Return one row per comparison whose arms have 2 or more seeds (dim `comparison`): the mean over seeds of the
     per-seed difference, its 95% t interval and p, Holm p and Bonferroni interval within the family, the verdict
-    ("no direction" for the injection variants the paper calls negligible), and `per_seed` [comparison, seed]."""
+    ("no direction" for the injection variants the paper calls negligible), and `per_seed` [comparison, seed].
+    With `interaction` (`interaction_by_run`'s Dataset) the family `interaction` is read from it too."""
     acc, K = _accuracy(runs_dir, pipeline)
+    cross = {} if interaction is None else {
+        (str(a), int(sd)): float(np.log(v)) for a, sd, v in
+        zip(interaction.arm.values, interaction.train_seed.values, interaction.cross_loop.values)}
     if not acc:
         raise ValueError(f"no finished {pipeline}/train run under {runs_dir}: run `workbench run {pipeline} "
                          "--profile seeds --jobs 2` first")
-    seeds = sorted({s for _, s in acc})
+    seeds = sorted({s for _, s in acc} | {s for _, s in cross})
     rows = []
     for family, name, a, b, what, sign in COMPARISONS:
-        have = [s for s in seeds if (a, s) in acc and (not b or (b, s) in acc)]
+        if family == "interaction":
+            have = [s for s in seeds if (a, s) in cross and (b, s) in cross]
+            values = [cross[a, s] - cross[b, s] for s in have]
+        else:
+            have = [s for s in seeds if (a, s) in acc and (not b or (b, s) in acc)]
+            values = [_statistic(acc[a, s], name, K) - (_statistic(acc[b, s], name, K) if b else 0.0) for s in have]
         if len(have) < 2:
             continue
-        values = [_statistic(acc[a, s], name, K) - (_statistic(acc[b, s], name, K) if b else 0.0) for s in have]
         rows.append(dict(family=family, comparison=name, a=a, b=b, statistic=what, sign=sign, seeds_used=have,
                          values=values, ci=seed_interval(values)))
     if not rows:
@@ -145,6 +163,39 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
         "training_loops": K, "interval": "95% Student t over per-seed differences",
         "correction": "Holm p-values and Bonferroni intervals at 1 - 0.05/m within each family",
         "overall": "mean of knowledge (trained facts) and reasoning (every evaluated depth) accuracy"})
+
+
+def interaction_by_run(checkpoints, n_sequences: int = 8, seq_len: int = 128, seed: int = 0) -> xr.Dataset:
+    """Return per trained run (dim `run`, the folder's name) its arm, training seed, `interaction_by_lag` [run,
+    lag] and `cross_loop` (mean C over core pairs at loop lags 1..K-1) at r = K, probed on `n_sequences` held-out
+    windows of `seq_len` tokens (`seed`: which windows), as the geometry notebook probes them; runs of one data
+    seed share their tokenizer and so read the same windows."""
+    import torch
+
+    from ..probes import interaction
+    from .runs import load_run
+
+    names, arms, seeds, lags, Ks = [], [], [], [], set()
+    for path in map(Path, checkpoints):
+        run = load_run(path, device="cpu")
+        K = run.model.cfg.loops
+        with torch.no_grad():
+            inter = interaction(run.model, run.val_tokens(n_sequences, seq_len, seed=seed)[:, :-1], K)
+        names.append(path.name)
+        arms.append(arm_of(json.loads(run.model.cfg.to_json())))
+        seeds.append(int(run.experiment.get("seed", 0)))  # the training seed (config.json's "data")
+        lags.append(inter.interaction_by_lag.values)
+        Ks.add(K)
+    if len(Ks) != 1:
+        raise ValueError(f"interaction_by_run needs runs of one training loop count; got {sorted(Ks)} from {checkpoints}")
+    K = Ks.pop()
+    by_lag = np.array(lags)
+    return xr.Dataset(
+        {"interaction_by_lag": (("run", "lag"), by_lag, {"long_name": "mean C over core pairs at this loop lag"}),
+         "cross_loop": ("run", by_lag[:, 1:].mean(1), {"long_name": "mean C over core pairs at loop lags 1..K-1"})},
+        coords={"run": names, "lag": np.arange(K), "arm": ("run", arms), "train_seed": ("run", seeds)},
+        attrs={"training_loops": K, "n_sequences": n_sequences, "seq_len": seq_len, "seed": seed,
+               "probe": "workbench.probes.interaction at r = K on the run's held-out windows"})
 
 
 def depth_gains(runs_dir: str | os.PathLike, pipeline: str = "conditioning", arms: tuple[str, ...] = ("BaseLoop", "plain"),
@@ -210,7 +261,8 @@ PAPER = {"first_reasoning": "reasoning rose from 28.52 at L(r)=20 to 31.49 at L(
          "hlg": "outperforms either alone and the unconditioned BaseLoop baseline across inference budgets",
          "dense_history": "a minimal window (w=1) sustained robust accuracy",
          "dense_injection": "collapsed catastrophically on overall and knowledge accuracy",
-         "scalar_injection": "negligible gains over BaseLoop", "channel_injection": "negligible gains over BaseLoop"}
+         "scalar_injection": "negligible gains over BaseLoop", "channel_injection": "negligible gains over BaseLoop",
+         "cross_loop": "nearly 7x the cross-loop response of Dense injection"}
 
 
 def conditioning_claim_rows(claims: xr.Dataset) -> list[str]:
