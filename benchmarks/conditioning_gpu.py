@@ -14,7 +14,9 @@ ROOT/conditioning_h200/train/<key>/, so
 A deadline keeps the call inside its limit: every 15 s it reads each run's latest checkpoint step and, when the
 slowest run would end after the deadline, stops the lowest-priority run still going (dense, then channel, then
 scalar; plain last), which frees the GPU for the rest. After each run ends, the done runs' run.json and results.nc
-are packed into PACK (a .tar). Run from the repository root:
+are packed into PACK (a .tar). Measured on an H200 (2026-12-04, docs/benchmarks.md): the processes share the GPU
+by time slices, so the aggregate stays near 80 steps/s (12 runs at 6.7 steps/s each, 3 at 27): the 12 runs need
+about 20 minutes of GPU, more than a session's device time; 6 fit in about 10. Run from the repository root:
 
     python benchmarks/conditioning_gpu.py ROOT COMMIT [--deadline SECONDS] [--pack FILE.tar]
 """
@@ -116,7 +118,7 @@ def main() -> None:
     steps_total = int(todo[0][1].params["steps"])
     names = [f"{arm} s{job.params['seed']}" for arm, job in todo]
     print(f"{len(procs)} runs started: {names}", flush=True)
-    done, stopped, seen, first = [], [], {}, {}
+    done, stopped, seen, history, last_stop = [], [], {}, {}, 0.0
     while any(p.poll() is None for _, _, p in procs.values()):
         time.sleep(15)
         now = time.time() - t0
@@ -131,21 +133,23 @@ def main() -> None:
                         pack(a.root, a.pack, done)
         going = [(arm, job, p) for arm, job, p in procs.values() if p.poll() is None]
         at = {job.key: step_of(job.dir) for _, job, _ in going}
-        for key, s in at.items():
-            if s and key not in first:
-                first[key] = (now, s)
+        for key, st in at.items():
+            history.setdefault(key, []).append((now, st))
         print(f"{now:5.0f} s: steps {sorted(at.values())}", flush=True)
-        if not going or any(k not in first or at[k] - first[k][1] < 200 for k in at):
+        # the rate over the last 60 s, measured only after the last stop (the rest speed up when one stops: the
+        # processes share the GPU by time slices), so a stop is judged on the rate it left
+        recent = {k: [(t, st) for t, st in history[k] if t >= max(now - 60, last_stop + 15) and st > 0] for k in at}
+        if not going or any(len(r) < 3 or r[-1][1] == r[0][1] for r in recent.values()):
             continue
-        # projected end of the slowest run: its steps left at its rate since its first checkpoint, plus 40 s for the
-        # evaluation to 3K
-        worst = max(now + (steps_total - at[k]) * (now - first[k][0]) / (at[k] - first[k][1]) + 40 for k in at)
+        worst = max(now + (steps_total - r[-1][1]) * (r[-1][0] - r[0][0]) / (r[-1][1] - r[0][1]) + 40
+                    for r in recent.values())  # + 40 s for the evaluation to 3K
         if worst > a.deadline:
             arm, job, p = max(going, key=lambda g: (PRIORITY.index(g[0]), g[1].params["seed"]))
             print(f"{now:5.0f} s: slowest run would end at {worst:.0f} s > {a.deadline:.0f} s: stopping {arm} "
                   f"s{job.params['seed']}", flush=True)
             p.terminate()
             stopped.append(job.key)
+            last_stop = now
     print(f"done: {len(done)} runs in {time.time() - t0:.0f} s; stopped {len(stopped)}", flush=True)
 
 
