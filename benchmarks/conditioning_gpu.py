@@ -16,7 +16,9 @@ slowest run would end after the deadline, stops the lowest-priority run still go
 scalar; plain last), which frees the GPU for the rest. After each run ends, the done runs' run.json and results.nc
 are packed into PACK (a .tar). Measured on an H200 (2026-12-04, docs/benchmarks.md): the processes share the GPU
 by time slices, so the aggregate stays near 80 steps/s (12 runs at 6.7 steps/s each, 3 at 27): the 12 runs need
-about 20 minutes of GPU, more than a session's device time; 6 fit in about 10. Run from the repository root:
+about 20 minutes of GPU, more than a session's device time. Alone a process runs at about 25 steps/s; 5-7 at once
+keep most of that (130-160 steps/s in all), so 6 runs (`--arms plain,I(scalar)`) fit in about 6 minutes. Run from
+the repository root:
 
     python benchmarks/conditioning_gpu.py ROOT COMMIT [--deadline SECONDS] [--pack FILE.tar]
 """
@@ -102,11 +104,16 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=520.0)
     ap.add_argument("--pack", type=Path)
     ap.add_argument("--steps", type=int, default=0, help="a dry run's training steps (0: the profile's)")
+    ap.add_argument("--arms", default=",".join(PRIORITY), help="comma-separated arms to train (default: all four)")
     a = ap.parse_args()
     if a.one:
         return one(a.root, a.one, a.commit, a.steps)
     t0 = time.time()
-    todo = jobs(a.root, a.steps)
+    arms = a.arms.split(",")
+    unknown = [x for x in arms if x not in PRIORITY]
+    if unknown:
+        raise SystemExit(f"--arms: {unknown} are not among {list(PRIORITY)}")
+    todo = [(arm, job) for arm, job in jobs(a.root, a.steps) if arm in arms]
     (a.root / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "WORKBENCH_BF16": "off", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     procs = {}
