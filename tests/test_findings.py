@@ -1005,6 +1005,45 @@ def test_dense_initial_state_injection_holds_what_the_document_quotes():
         assert attrs["git_commit"].startswith("4db4f1f") and attrs["precision"] == "fp32"
 
 
+def test_the_h200_scalar_injection_runs_hold_what_the_document_quotes():
+    """The GPU-trained plain and scalar arms: the generated row, every quoted span, the commit and the platform."""
+    import json
+
+    from workbench.experiments.conditioning_findings import _accuracy, conditioning_claim_rows, conditioning_claims
+
+    s, _ = summary_is_quoted("conditioning_h200/summary.nc",
+                             lambda: conditioning_claims(DOCS / "findings", "conditioning_h200"), conditioning_claim_rows)
+    assert s.comparison.values.tolist() == ["scalar_injection"]
+    s = s.sel(comparison="scalar_injection")
+    assert int(s.seeds) == 2 and s.verdict.item() == "no direction"  # "that arm has two seeds"
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    cpu, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    gpu, _ = _accuracy(DOCS / "findings", "conditioning_h200")
+
+    def span(acc, arm, loop, group=None):
+        v = sorted(float(a.sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop)) if group is None
+                   else float(a.sel(group=group, loop=loop)) for (b, _), a in acc.items() if b == arm)
+        return f"{v[0]:.2f}-{v[-1]:.2f}"
+    assert (f"Its plain arm repeats the CPU's: overall {span(gpu, 'plain', K)} at K, {span(gpu, 'plain', 2 * K)} at 2K "
+            f"and {span(gpu, 'plain', 3 * K)} at 3K, against the CPU seeds' {span(cpu, 'plain', K)}, "
+            f"{span(cpu, 'plain', 2 * K)} and {span(cpu, 'plain', 3 * K)}") in reading
+    assert (f"(overall {span(gpu, 'I(scalar)', K)} at K, {span(gpu, 'I(scalar)', 2 * K)} at 2K, "
+            f"{span(gpu, 'I(scalar)', 3 * K)} at 3K) and is ahead only at r = 1 ({span(gpu, 'I(scalar)', 1)} against "
+            f"{span(gpu, 'plain', 1)}, knowledge {span(gpu, 'I(scalar)', 1, 'knowledge')} against "
+            f"{span(gpu, 'plain', 1, 'knowledge')})") in reading
+    per_seed = [f"{float(v):+.3f}" for v in s.per_seed.values.ravel() if np.isfinite(v)]
+    assert f"the two seeds' differences ({per_seed[0]}, {per_seed[1]})" in reading
+    half = (float(s.high) - float(s.low)) / 2
+    assert f"an interval of ±{half:.2f}" in reading
+    records = [json.loads(p.read_text()) for p in (DOCS / "findings" / "conditioning_h200" / "train").glob("*/run.json")]
+    assert len(records) == 5 and {r["git_commit"] for r in records} == {"919e543"} and "`919e543`" in reading
+    seconds = sorted(r["seconds"] for r in records)
+    assert f"({seconds[0]:.0f}-{seconds[-1]:.0f} s a run" in reading
+    for p in (DOCS / "findings" / "conditioning_h200" / "train").glob("*/results.nc"):
+        attrs = run_file(p)["attrs"]
+        assert attrs["precision"] == "fp32" and attrs["device"].startswith("cuda") and attrs["git_commit"].startswith("d211940")
+
+
 RERUNS = [(1, "4c2996e3fd18af78", "da4fa7312fb36fe7"), (2, "82006018b68551f0", "34d5fee3724bf56b")]  # (seed, install at 709dd5d, the same seed's at 8f09c3d)
 
 
