@@ -888,8 +888,9 @@ def test_the_first_conditioning_seeds_runs_hold_what_the_document_says_was_seen(
 def test_the_conditioning_claims_table_is_what_the_committed_seeds_runs_give():
     from workbench.experiments.conditioning_findings import conditioning_claim_rows, conditioning_claims
 
+    inter = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "interaction.nc", engine="h5netcdf")
     s, text = summary_is_quoted("conditioning_seeds/summary.nc",
-                                lambda: conditioning_claims(DOCS / "findings", "conditioning_seeds"),
+                                lambda: conditioning_claims(DOCS / "findings", "conditioning_seeds", interaction=inter),
                                 conditioning_claim_rows)
     assert s.family_size.sel(comparison="first_reasoning").item() == 4  # the seeds family, fixed before the runs
     head = next(r for r in headline_rows() if r[0].startswith("Past the training horizon recurrence improves"))
@@ -1003,6 +1004,39 @@ def test_dense_initial_state_injection_holds_what_the_document_quotes():
     for key in ("3390d72d29f7a11a",):  # dense injection seed 0
         attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
         assert attrs["git_commit"].startswith("4db4f1f") and attrs["precision"] == "fp32"
+
+
+def test_channel_injection_and_its_cross_loop_response_hold_what_the_document_quotes():
+    """Channel-wise injection against plain and the interaction family against dense: rows, reading and headline."""
+    import math
+
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    inter = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "interaction.nc", engine="h5netcdf")
+    acc, _ = _accuracy(DOCS / "findings", "conditioning_seeds")
+    assert sorted(sd for a, sd in acc if a == "I(channel)") == [0, 1, 2]
+    assert sorted(zip(inter.arm.values.tolist(), inter.train_seed.values.tolist())) == sorted(
+        [("I(channel)", sd) for sd in range(3)] + [("I(dense)", sd) for sd in range(3)])
+    x, ch = s.sel(comparison="cross_loop"), s.sel(comparison="channel_injection")
+    assert int(x.seeds) == 3 and int(x.family_size) == 1 and x.verdict.item() == "opposite"
+    assert ch.verdict.item() == "no direction" and float(ch.low) < 0 < float(ch.high)  # "both intervals hold 0"
+    ratio = f"{math.exp(float(x.difference)):.2f} [{math.exp(float(x.low)):.2f}, {math.exp(float(x.high)):.2f}]"
+    cl = {a: sorted(float(v) for v, b in zip(inter.cross_loop.values, inter.arm.values) if b == a)
+          for a in ("I(channel)", "I(dense)")}
+    spans = {a: f"{v[0]:.2f}-{v[-1]:.2f}" for a, v in cl.items()}
+    chi = f"{float(ch.difference):+.3f} [{float(ch.low):+.3f}, {float(ch.high):+.3f}]"
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert (f"{spans['I(channel)']} against dense's {spans['I(dense)']}, a ratio of {ratio}" in reading
+            and f"minus plain {chi}" in reading)
+    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
+            if r[0] == "Initial-state injection is limited"]
+    seeds = " / ".join(f"{float(v):+.3f}" for v in ch.per_seed.values)
+    for row in head:
+        assert (f"minus plain {chi} (seeds {seeds}); its cross-loop response over dense's {ratio} (mean C over lags "
+                f"1-3 at K, {spans['I(channel)']} against {spans['I(dense)']})") in row[2]
+        assert "cross-loop response: opposite (3 seeds, 1 comparison)" in row[3]
+    assert f"| opposite (3 seeds, 1 comparison): {ratio} times dense's |" in (DOCS.parent / "README.md").read_text()
 
 
 def test_the_h200_scalar_injection_runs_hold_what_the_document_quotes():
