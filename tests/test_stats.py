@@ -357,7 +357,7 @@ def test_the_interaction_family_compares_log_cross_loop_response_per_seed(tmp_pa
     assert np.allclose(x.per_seed.values, np.log(channel / dense))
     assert "cross_loop" not in conditioning_claims(tmp_path).comparison.values  # no interaction given: no row
     row = [r for r in conditioning_claim_rows(c) if "| cross_loop |" in r][0]
-    assert row.startswith("| interaction | cross_loop | I(channel) - I(dense): log mean C") and row.endswith("| replicates |")
+    assert row.startswith("| interaction | cross_loop | I(channel) - I(dense): log of mean C at each loop lag") and row.endswith("| replicates |")
 
 
 def test_interaction_by_run_reads_each_checkpoint_at_its_training_loop_count(tmp_path):

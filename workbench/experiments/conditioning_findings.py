@@ -24,9 +24,9 @@ channel-wise injection minus plain are given with their intervals and no verdict
 "negligible gains", a claim of no difference that an interval can bound but a direction cannot replicate.
 Family `interaction` (1 comparison, fixed before the channel-wise runs of the injection profile ended): the
 log of channel-wise injection's cross-loop response over dense injection's ("channel-wise initial-state injection
-showed nearly 7x the cross-loop response of Dense injection"), up. A run's cross-loop response is its mean
-computational interaction C(i -> j) over pairs of core occurrences one or more loops apart (lags 1..K-1, at
-r = K; `probes.interaction`, SPEC §3), read by `interaction_by_run` from the trained checkpoints on the
+showed nearly 7× the cross-loop response of Dense injection"), up. A run's cross-loop response is its mean
+computational interaction C(i -> j) between core occurrences at each loop lag, averaged over lags 1..K-1 (at
+r = K, as the paper averages "over lags 1-6"; `probes.interaction`, SPEC §3), read by `interaction_by_run` from the trained checkpoints on the
 geometry notebook's validation windows; `conditioning_claims(..., interaction=...)` adds the family.
 """
 
@@ -52,7 +52,7 @@ COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - rea
                ("injection", "scalar_injection", "I(scalar)", "plain", "overall, mean over r = 2K, 3K", 0),
                ("injection", "channel_injection", "I(channel)", "plain", "overall, mean over r = 2K, 3K", 0),
                ("interaction", "cross_loop", "I(channel)", "I(dense)",
-                "log mean C over core pairs at loop lags 1..K-1, at r = K", +1))
+                "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1))
 
 
 def arm_of(cfg: dict) -> str:
@@ -167,7 +167,7 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
 
 def interaction_by_run(checkpoints, n_sequences: int = 8, seq_len: int = 128, seed: int = 0) -> xr.Dataset:
     """Return per trained run (dim `run`, the folder's name) its arm, training seed, `interaction_by_lag` [run,
-    lag] and `cross_loop` (mean C over core pairs at loop lags 1..K-1) at r = K, probed on `n_sequences` held-out
+    lag] and `cross_loop` (the mean over loop lags 1..K-1 of each lag's mean C) at r = K, probed on `n_sequences` held-out
     windows of `seq_len` tokens (`seed`: which windows), as the geometry notebook probes them; runs of one data
     seed share their tokenizer and so read the same windows."""
     import torch
@@ -192,7 +192,7 @@ def interaction_by_run(checkpoints, n_sequences: int = 8, seq_len: int = 128, se
     by_lag = np.array(lags)
     return xr.Dataset(
         {"interaction_by_lag": (("run", "lag"), by_lag, {"long_name": "mean C over core pairs at this loop lag"}),
-         "cross_loop": ("run", by_lag[:, 1:].mean(1), {"long_name": "mean C over core pairs at loop lags 1..K-1"})},
+         "cross_loop": ("run", by_lag[:, 1:].mean(1), {"long_name": "mean over loop lags 1..K-1 of each lag's mean C"})},
         coords={"run": names, "lag": np.arange(K), "arm": ("run", arms), "train_seed": ("run", seeds)},
         attrs={"training_loops": K, "n_sequences": n_sequences, "seq_len": seq_len, "seed": seed,
                "probe": "workbench.probes.interaction at r = K on the run's held-out windows"})
@@ -262,7 +262,7 @@ PAPER = {"first_reasoning": "reasoning rose from 28.52 at L(r)=20 to 31.49 at L(
          "dense_history": "a minimal window (w=1) sustained robust accuracy",
          "dense_injection": "collapsed catastrophically on overall and knowledge accuracy",
          "scalar_injection": "negligible gains over BaseLoop", "channel_injection": "negligible gains over BaseLoop",
-         "cross_loop": "nearly 7x the cross-loop response of Dense injection"}
+         "cross_loop": "nearly 7× the cross-loop response of Dense injection"}
 
 
 def conditioning_claim_rows(claims: xr.Dataset) -> list[str]:
