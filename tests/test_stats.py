@@ -275,6 +275,27 @@ def test_conditioning_claims_pair_each_arm_with_plain_per_seed_and_correct_withi
     assert rows[5].split(" | ")[3].endswith(" / -")  # scalar injection: no seed 2
 
 
+def test_dense_history_windows_are_their_own_arms_and_family(tmp_path):
+    from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
+
+    base = {"loops": 4, "prelude": 1, "coda": 1, "inject": "none", "timestep": "none", "history_op": "dense"}
+    assert [arm_of({**base, "history": w}) for w in (1, 2, 4)] == ["H(dense)", "H(dense,w=2)", "H(dense,w=4)"]
+    assert arm_of({**base, "history": 2, "history_op": "channel", "timestep": "loop_gate"}) == "H(channel,w=2)+LG"
+    rng = np.random.default_rng(2)
+    k, r = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7]), np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
+    past = np.array([0, 0, 0, 0, 1, 1])  # r = 8 and 12 are 2K and 3K; the windows lose only there
+    for w, drop in ((1, 0.0), (2, 0.1), (4, 0.15)):
+        for s in range(3):
+            noise = rng.normal(0, 0.005, 6)
+            plant_conditioning_run(tmp_path, f"w{w}s{s}", {"history": w, "history_op": "dense"}, s,
+                                   k - drop * past + noise, r - drop * past + noise)
+    c = conditioning_claims(tmp_path)
+    assert c.comparison.values.tolist() == ["window_2", "window_4"]
+    assert float(c.difference.sel(comparison="window_2")) == pytest.approx(-0.1, abs=0.02)
+    assert float(c.difference.sel(comparison="window_4")) == pytest.approx(-0.05, abs=0.02)
+    assert c.verdict.values.tolist() == ["replicates", "replicates"] and (c.family_size == 2).all()
+
+
 def test_conditioning_reasoning_pools_the_trained_depths_with_those_past_them_by_count():
     from workbench.experiments.conditioning_findings import _pooled
 
