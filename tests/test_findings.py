@@ -1040,6 +1040,26 @@ def test_channel_injection_and_its_cross_loop_response_hold_what_the_document_qu
     assert f"| opposite (3 seeds, 1 comparison): {ratio} times dense's |" in (DOCS.parent / "README.md").read_text()
 
 
+def test_reasoning_under_injection_holds_what_the_document_quotes():
+    """'Reasoning was largely insensitive to all inject* variants': each variant's reasoning minus plain's, as quoted."""
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
+            if r[0] == "Initial-state injection is limited"]
+    ci = {}
+    for name, word in (("reasoning_dense", "dense"), ("reasoning_channel", "channel-wise")):
+        r = s.sel(comparison=name)
+        assert int(r.seeds) == 3 and r.verdict.item() == "no direction" and int(r.sign) == 0
+        ci[name] = f"{word} {float(r.difference):+.3f} [{float(r.low):+.3f}, {float(r.high):+.3f}]"
+    assert f"minus plain's, {ci['reasoning_dense']} and {ci['reasoning_channel']}" in reading
+    assert float(s.high.sel(comparison="reasoning_dense")) <= -0.20  # "by at least 0.20 at the interval's near end"
+    r = s.sel(comparison="reasoning_channel")
+    assert float(r.low) < 0 < float(r.high)  # "sits on plain's"
+    for row in head:
+        assert f"reasoning alone over 2K and 3K minus plain: {ci['reasoning_dense']}, {ci['reasoning_channel']}" in row[2]
+        assert "reasoning alone: no verdict" in row[3]
+
+
 def test_the_h200_scalar_injection_runs_hold_what_the_document_quotes():
     """The GPU-trained plain and scalar arms: the generated row, every quoted span, the commit and the platform."""
     import json
@@ -1048,8 +1068,8 @@ def test_the_h200_scalar_injection_runs_hold_what_the_document_quotes():
 
     s, _ = summary_is_quoted("conditioning_h200/summary.nc",
                              lambda: conditioning_claims(DOCS / "findings", "conditioning_h200"), conditioning_claim_rows)
-    assert s.comparison.values.tolist() == ["scalar_injection"]
-    s = s.sel(comparison="scalar_injection")
+    assert s.comparison.values.tolist() == ["scalar_injection", "reasoning_scalar"]
+    s_all, s = s, s.sel(comparison="scalar_injection")
     assert int(s.seeds) == 2 and s.verdict.item() == "no direction"  # "that arm has two seeds"
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
     cpu, K = _accuracy(DOCS / "findings", "conditioning_seeds")
@@ -1068,6 +1088,8 @@ def test_the_h200_scalar_injection_runs_hold_what_the_document_quotes():
             f"{span(gpu, 'plain', 1, 'knowledge')})") in reading
     per_seed = [f"{float(v):+.3f}" for v in s.per_seed.values.ravel() if np.isfinite(v)]
     assert f"the two seeds' differences ({per_seed[0]}, {per_seed[1]})" in reading
+    r = s_all.sel(comparison="reasoning_scalar")
+    assert f"is level with plain's too: {float(r.difference):+.3f} [{float(r.low):+.3f}, {float(r.high):+.3f}]" in reading
     half = (float(s.high) - float(s.low)) / 2
     assert f"an interval of ±{half:.2f}" in reading
     records = [json.loads(p.read_text()) for p in (DOCS / "findings" / "conditioning_h200" / "train").glob("*/run.json")]

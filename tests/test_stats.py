@@ -257,7 +257,12 @@ def test_conditioning_claims_pair_each_arm_with_plain_per_seed_and_correct_withi
             plant_conditioning_run(tmp_path, f"{arm}{s}", cfg, s, k + noise, r + noise)
     c = conditioning_claims(tmp_path)
     assert c.comparison.values.tolist() == ["first_reasoning", "first_knowledge", "hlg", "dense_history",
-                                            "dense_injection", "scalar_injection"]  # channel: no runs
+                                            "dense_injection", "scalar_injection", "reasoning_dense",
+                                            "reasoning_scalar"]  # channel: no runs
+    # "Reasoning was largely insensitive to all inject* variants": reasoning alone past K, a claim of no difference
+    assert float(c.difference.sel(comparison="reasoning_dense")) == pytest.approx(-0.05, abs=0.01)
+    assert float(c.difference.sel(comparison="reasoning_scalar")) == pytest.approx(0.0, abs=0.01)
+    assert (c.verdict.sel(comparison=["reasoning_dense", "reasoning_scalar"]) == "no direction").all()
     assert float(c.difference.sel(comparison="first_knowledge")) == pytest.approx(-0.3, abs=0.02)
     assert float(c.difference.sel(comparison="hlg")) == pytest.approx(0.1, abs=0.01)
     assert c.verdict.sel(comparison=["first_reasoning", "first_knowledge", "hlg", "dense_history",
@@ -267,7 +272,7 @@ def test_conditioning_claims_pair_each_arm_with_plain_per_seed_and_correct_withi
     assert c.family_size.sel(comparison="hlg").item() == 4 and c.family_size.sel(comparison="dense_injection") == 1
     assert bool(np.isnan(c.per_seed.sel(comparison="scalar_injection", seed=2)))
     rows = conditioning_claim_rows(c)  # what findings.md quotes, one per comparison
-    assert len(rows) == 6 and rows[1].startswith("| seeds | first_knowledge | BaseLoop: knowledge(2K) - knowledge(K) | ")
+    assert len(rows) == 8 and rows[1].startswith("| seeds | first_knowledge | BaseLoop: knowledge(2K) - knowledge(K) | ")
     assert rows[1].endswith('| "knowledge fell from 62.80 to 52.11" | replicates |')
     hlg = c.sel(comparison="hlg")
     assert (f"| {float(hlg.difference):+.3f} [{float(hlg.low):+.3f}, {float(hlg.high):+.3f}] |" in rows[2]
