@@ -301,6 +301,42 @@ def test_dense_history_windows_are_their_own_arms_and_family(tmp_path):
     assert c.verdict.values.tolist() == ["replicates", "replicates"] and (c.family_size == 2).all()
 
 
+def test_the_combinations_are_named_as_the_paper_and_ranked_below_h_lg_per_seed(tmp_path):
+    from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
+    from workbench.experiments.runs import train_notebook_args
+    from workbench.pipeline.keys import expand
+    from workbench.pipeline.spec import load_spec
+
+    # the profile's runs are the three combinations, three seeds each, named as the paper names them
+    jobs = [j for j in expand(load_spec("conditioning", "combination_seeds"), tmp_path / "x") if j.step == "train"]
+    named = sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
+    assert named == sorted((a, sd) for a in ("I+H", "I+LG", "I+H+LG") for sd in (0, 1, 2))
+    base = {"loops": 4, "prelude": 1, "coda": 1, "inject": "none", "history": 0, "timestep": "none"}
+    assert arm_of({**base, "inject": "scalar", "history": 2}) == "I(scalar)+H(scalar,w=2)"  # not the paper's I+H
+    rng = np.random.default_rng(3)
+    k, r = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7]), np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
+    arms = {"H+LG": ({"history": 1, "history_op": "channel", "timestep": "loop_gate"}, 0.0),
+            "I+H": ({"inject": "channel", "history": 1, "history_op": "channel"}, 0.04),
+            "I+LG": ({"inject": "channel", "timestep": "loop_gate"}, 0.08),
+            "I+H+LG": ({"inject": "channel", "history": 1, "history_op": "channel", "timestep": "loop_gate"}, 0.0)}
+    for arm, (cfg, drop) in arms.items():
+        for sd in range(3):
+            noise = rng.normal(0, 0.005, 6)
+            plant_conditioning_run(tmp_path, f"{arm}{sd}", cfg, sd, k - drop + noise, r - drop + noise)
+    inter = xr.Dataset({"cross_loop": ("run", [1.2] * 3 + [1.0] * 3 + [1.1] * 3)},
+                       coords={"arm": ("run", ["H+LG"] * 3 + ["I+H"] * 3 + ["I+LG"] * 3),
+                               "train_seed": ("run", [0, 1, 2] * 3)})
+    c = conditioning_claims(tmp_path, interaction=inter)
+    assert c.comparison.values.tolist() == ["hlg_over_ih", "hlg_over_ilg", "hlg_over_ihlg", "interaction_ih",
+                                            "interaction_ilg"]
+    assert float(c.difference.sel(comparison="hlg_over_ih")) == pytest.approx(0.04, abs=0.01)
+    assert float(c.difference.sel(comparison="interaction_ih")) == pytest.approx(np.log(1.2), abs=1e-9)
+    assert (c.family_size.sel(comparison=["hlg_over_ih", "hlg_over_ilg", "hlg_over_ihlg"]) == 3).all()
+    assert (c.family_size.sel(comparison=["interaction_ih", "interaction_ilg"]) == 2).all()
+    # H+LG above I+H and I+LG in every seed replicates; level with I+H+LG does not
+    assert c.verdict.values.tolist()[:3] == ["replicates", "replicates", "inconclusive"]
+
+
 def test_conditioning_reasoning_pools_the_trained_depths_with_those_past_them_by_count():
     from workbench.experiments.conditioning_findings import _pooled
 

@@ -34,6 +34,12 @@ geometry notebook's validation windows; `conditioning_claims(..., interaction=..
 Family `windows` (2 comparisons, fixed before any w = 2 or 4 run ended): dense history at w = 2 minus w = 1, and
 w = 4 minus w = 2, overall averaged over 2K and 3K ("expanding to w=2 or w=4 progressively diminished
 extrapolation performance"), each down.
+Family `combinations` (3 comparisons, fixed before any of their runs; `conditioning --profile combination_seeds`):
+H+LG minus I+H, minus I+LG and minus I+H+LG, overall averaged over r = K, 1.5K, 2K, 3K as `hlg` ("At D=84, H+LG
+reached 37.30 overall, exceeding I+H (36.91) and I+LG (36.33)"; "three-way combinations stayed below H+LG"),
+each up. I is channel-wise initial-state injection and H channel-wise history at w = 1, as in H+LG.
+Family `combination_interaction` (2 comparisons, fixed with them): the log of H+LG's cross-loop response over
+I+H's and over I+LG's ("H+LG showed 18.6% and 10.4% higher mean interaction over lags 1–6 than I+H and I+LG"), up.
 """
 
 from __future__ import annotations
@@ -63,14 +69,31 @@ COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - rea
                ("interaction", "cross_loop", "I(channel)", "I(dense)",
                 "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1),
                ("windows", "window_2", "H(dense,w=2)", "H(dense)", "overall, mean over r = 2K, 3K", -1),
-               ("windows", "window_4", "H(dense,w=4)", "H(dense,w=2)", "overall, mean over r = 2K, 3K", -1))
+               ("windows", "window_4", "H(dense,w=4)", "H(dense,w=2)", "overall, mean over r = 2K, 3K", -1),
+               ("combinations", "hlg_over_ih", "H+LG", "I+H", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
+               ("combinations", "hlg_over_ilg", "H+LG", "I+LG", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
+               ("combinations", "hlg_over_ihlg", "H+LG", "I+H+LG", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
+               ("combination_interaction", "interaction_ih", "H+LG", "I+H",
+                "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1),
+               ("combination_interaction", "interaction_ilg", "H+LG", "I+LG",
+                "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1))
+INTERACTION_FAMILIES = ("interaction", "combination_interaction")  # read from interaction_by_run, not accuracy
 
 
 def arm_of(cfg: dict) -> str:
-    """Return a run's arm: BaseLoop, plain, H+LG, H(dense), H(dense,w=2), I(scalar|channel|dense), else a
-    descriptive name; a history window other than 1 is part of the name (the paper's windows are arms)."""
+    """Return a run's arm: BaseLoop, plain, H+LG, H(dense), H(dense,w=2), I(scalar|channel|dense), the paper's
+    combinations with initial-state injection (I+H, I+LG, I+H+LG: channel-wise injection and channel-wise history
+    w = 1, as H+LG's), else a descriptive name; a history window other than 1 is part of the name (the paper's
+    windows are arms)."""
     history, inject, timestep = int(cfg.get("history", 0)), cfg.get("inject", "none"), cfg.get("timestep", "none")
     op, w = cfg.get("history_op", "scalar"), "" if history == 1 else f",w={history}"
+    if inject != "none" and (history or timestep == "loop_gate"):  # a combination with initial-state injection
+        parts = ["I" if inject == "channel" else f"I({inject})"]
+        if history:
+            parts.append("H" if op == "channel" and not w else f"H({op}{w})")
+        if timestep == "loop_gate":
+            parts.append("LG")
+        return "+".join(parts)
     if history and timestep == "loop_gate" and inject == "none":
         return "H+LG" if op == "channel" and not w else f"H({op}{w})+LG"
     if history and timestep == "none" and inject == "none":
@@ -128,7 +151,7 @@ def _statistic(acc: xr.DataArray, name: str, K: int) -> float:
         return float(acc.sel(group="reasoning", loop=at["2K"]) - acc.sel(group="reasoning", loop=at["K"]))
     if name == "first_knowledge":
         return float(acc.sel(group="knowledge", loop=at["2K"]) - acc.sel(group="knowledge", loop=at["K"]))
-    if name == "hlg":
+    if name == "hlg" or name.startswith("hlg_over_"):
         return float(overall.sel(loop=[at[k] for k in ("K", "1.5K", "2K", "3K")]).mean())
     if name == "dense_history":
         return float(overall.sel(loop=at["3K"]))
@@ -153,7 +176,7 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
     seeds = sorted({s for _, s in acc} | {s for _, s in cross})
     rows = []
     for family, name, a, b, what, sign in COMPARISONS:
-        if family == "interaction":
+        if family in INTERACTION_FAMILIES:
             have = [s for s in seeds if (a, s) in cross and (b, s) in cross]
             values = [cross[a, s] - cross[b, s] for s in have]
         else:
@@ -285,7 +308,12 @@ PAPER = {"first_reasoning": "reasoning rose from 28.52 at L(r)=20 to 31.49 at L(
          "reasoning_channel": "Reasoning was largely insensitive to all inject* variants",
          "cross_loop": "nearly 7× the cross-loop response of Dense injection",
          "window_2": "expanding to w=2 or w=4 progressively diminished extrapolation performance",
-         "window_4": "expanding to w=2 or w=4 progressively diminished extrapolation performance"}
+         "window_4": "expanding to w=2 or w=4 progressively diminished extrapolation performance",
+         "hlg_over_ih": "At D=84, H+LG reached 37.30 overall, exceeding I+H (36.91)",
+         "hlg_over_ilg": "At D=84, H+LG reached 37.30 overall, exceeding ... I+LG (36.33)",
+         "hlg_over_ihlg": "three-way combinations stayed below H+LG",
+         "interaction_ih": "H+LG showed 18.6% ... higher mean interaction over lags 1–6 than I+H",
+         "interaction_ilg": "H+LG showed ... 10.4% higher mean interaction over lags 1–6 than ... I+LG"}
 
 
 def conditioning_claim_rows(claims: xr.Dataset) -> list[str]:
