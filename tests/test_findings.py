@@ -1060,6 +1060,42 @@ def test_reasoning_under_injection_holds_what_the_document_quotes():
         assert "reasoning alone: no verdict" in row[3]
 
 
+def test_scalar_injection_on_the_cpu_holds_what_the_document_quotes():
+    """Scalar initial-state injection's three CPU seeds against plain: the table's rows, headline and reading."""
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    assert sorted(sd for a, sd in acc if a == "I(scalar)") == [0, 1, 2]
+    sc, rs = s.sel(comparison="scalar_injection"), s.sel(comparison="reasoning_scalar")
+    assert int(sc.seeds) == 3 and sc.verdict.item() == rs.verdict.item() == "no direction"
+
+    def ci(r):
+        return f"{float(r.difference):+.3f} [{float(r.low):+.3f}, {float(r.high):+.3f}]"
+
+    def span(arm, loop, group=None):
+        v = sorted(float(a.sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop)) if group is None
+                   else float(a.sel(group=group, loop=loop)) for (b, _), a in acc.items() if b == arm)
+        return f"{v[0]:.2f}-{v[-1]:.2f}"
+    seeds = " / ".join(f"{float(v):+.3f}" for v in sc.per_seed.values)
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert (f"overall {span('I(scalar)', K)} at K, {span('I(scalar)', 2 * K)} at 2K and {span('I(scalar)', 3 * K)} at "
+            f"3K against plain's {span('plain', K)}, {span('plain', 2 * K)} and {span('plain', 3 * K)}") in reading
+    assert f"minus plain over 2K and 3K {ci(sc)} (seeds {seeds})" in reading and f"reasoning alone {ci(rs)}" in reading
+    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
+            if r[0] == "Initial-state injection is limited"]
+    assert len(head) == 2
+    for row in head:
+        assert f"scalar I, three seeds on the CPU (same profile): minus plain {ci(sc)} (seeds {seeds})" in row[2]
+        assert f"scalar {ci(rs)}" in row[2]
+    ch = s.sel(comparison="channel_injection")
+    assert (f"3 seeds each, scalar {ci(sc)}, channel-wise {ci(ch)} |" in (DOCS.parent / "README.md").read_text()
+            and float(sc.low) < 0 < float(sc.high) and float(ch.low) < 0 < float(ch.high))
+    for key in ("bf891cbb415bbd36", "e23e789fc2180057", "46a378f55740b0c2"):  # scalar I seeds 0-2
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("4db4f1f") and attrs["precision"] == "fp32"
+
+
 def test_the_h200_scalar_injection_runs_hold_what_the_document_quotes():
     """The GPU-trained plain and scalar arms: the generated row, every quoted span, the commit and the platform."""
     import json
