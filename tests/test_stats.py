@@ -435,6 +435,7 @@ def test_interaction_by_run_reads_each_checkpoint_at_its_training_loop_count(tmp
                   vocab_size=300, eval_loops=[1], seed=seed, data_seed=0)
     ds = interaction_by_run([tmp_path / "a", tmp_path / "b"], n_sequences=2, seq_len=32)
     assert ds.arm.values.tolist() == ["I(channel)", "I(dense)"] and ds.train_seed.values.tolist() == [0, 1]
+    assert sorted(ds.data_vars) == ["cross_loop", "interaction_by_lag"]  # the probe's numbers and nothing else
     run = load_run(tmp_path / "b", device="cpu")
     with torch.no_grad():
         ref = interaction(run.model, run.val_tokens(2, 32, seed=0)[:, :-1], 3)

@@ -230,9 +230,6 @@ def interaction_by_run(checkpoints, n_sequences: int = 8, seq_len: int = 128, se
     by_lag = np.array(lags)
     return xr.Dataset(
         {"interaction_by_lag": (("run", "lag"), by_lag, {"long_name": "mean C over core pairs at this loop lag"}),
-         "reasoning_dense": "Reasoning was largely insensitive to all inject* variants",
-         "reasoning_scalar": "Reasoning was largely insensitive to all inject* variants",
-         "reasoning_channel": "Reasoning was largely insensitive to all inject* variants",
          "cross_loop": ("run", by_lag[:, 1:].mean(1), {"long_name": "mean over loop lags 1..K-1 of each lag's mean C"})},
         coords={"run": names, "lag": np.arange(K), "arm": ("run", arms), "train_seed": ("run", seeds)},
         attrs={"training_loops": K, "n_sequences": n_sequences, "seq_len": seq_len, "seed": seed,
