@@ -21,6 +21,11 @@ keep most of that (130-160 steps/s in all), so 6 runs (`--arms plain,I(scalar)`)
 the repository root:
 
     python benchmarks/conditioning_gpu.py ROOT COMMIT [--deadline SECONDS] [--pack FILE.tar]
+
+The H+LG ranking (families `combinations` and `combination_interaction`, pre-registered) on a GPU: `--arms
+H+LG,I+H,I+LG --interaction` trains those 9 runs (about 96 s of GPU each at ~80-150 steps/s in all: 8-10 minutes)
+and then probes each finished run's cross-loop response into ROOT/interaction.nc, packed beside the runs; on a
+CPU, `--steps 2` makes it a 34 s dry run of the whole path (three runs).
 """
 
 import argparse
@@ -37,11 +42,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 PIPELINE = "conditioning_h200"
-PRIORITY = ("plain", "I(scalar)", "I(channel)", "I(dense)")  # kept longest first; the dense arm is replicated on CPU
+# kept longest first when the deadline sheds runs; the dense arm is replicated on CPU. The combinations (families
+# `combinations` and `combination_interaction`, --profile combination_seeds) and their H+LG baseline come after:
+# they are a call of their own (`--arms H+LG,I+H,I+LG --interaction`), GPU runs being compared with GPU runs only
+PRIORITY = ("plain", "I(scalar)", "I(channel)", "I(dense)", "H+LG", "I+H", "I+LG", "I+H+LG")
+INJECTION_ARMS = PRIORITY[:4]
 
 
 def jobs(root: Path, steps: int = 0) -> list:
-    """Return the train runs of the plain arm (seeds profile) and the injection profile, keyed as the pipeline keys
+    """Return the train runs of the seeds profile, the injection profile and combination_seeds, keyed as the pipeline keys
     them, under ROOT/conditioning_h200/, in PRIORITY order (then seed); `steps` > 0 shortens them (a dry run)."""
     from workbench.experiments.conditioning_findings import arm_of
     from workbench.experiments.runs import train_notebook_args
@@ -49,7 +58,7 @@ def jobs(root: Path, steps: int = 0) -> list:
     from workbench.pipeline.spec import load_spec
 
     out = []
-    for profile in ("seeds", "injection"):
+    for profile in ("seeds", "injection", "combination_seeds"):
         pipe = dataclasses.replace(load_spec("conditioning", profile), name=PIPELINE)
         for job in expand(pipe, root):
             if job.step != "train":
@@ -104,7 +113,11 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=520.0)
     ap.add_argument("--pack", type=Path)
     ap.add_argument("--steps", type=int, default=0, help="a dry run's training steps (0: the profile's)")
-    ap.add_argument("--arms", default=",".join(PRIORITY), help="comma-separated arms to train (default: all four)")
+    ap.add_argument("--arms", default=",".join(INJECTION_ARMS),
+                    help=f"comma-separated arms to train, of {list(PRIORITY)} (default: the injection comparison's four)")
+    ap.add_argument("--interaction", action="store_true",
+                    help="after the runs, probe each finished run's cross-loop response (interaction_by_run) into "
+                         "ROOT/interaction.nc, packed beside the runs")
     a = ap.parse_args()
     if a.one:
         return one(a.root, a.one, a.commit, a.steps)
@@ -158,6 +171,16 @@ def main() -> None:
             stopped.append(job.key)
             last_stop = now
     print(f"done: {len(done)} runs in {time.time() - t0:.0f} s; stopped {len(stopped)}", flush=True)
+    if a.interaction and done:  # the checkpoints stay on the device: the probe must run where they are
+        from workbench.experiments.conditioning_findings import interaction_by_run
+
+        inter = interaction_by_run([job.dir for job in done])
+        inter.to_netcdf(a.root / "interaction.nc", engine="h5netcdf")
+        if a.pack:
+            with tarfile.open(a.pack, "a") as tar:
+                tar.add(a.root / "interaction.nc", arcname=f"{PIPELINE}/interaction.nc")
+        print(f"interaction: {dict(zip(inter.run.values.tolist(), inter.cross_loop.values.round(4).tolist()))} "
+              f"({time.time() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
