@@ -20,6 +20,7 @@ import tempfile
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -130,6 +131,11 @@ def execute_run(job: RunJob) -> dict:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
+    # Ctrl-C that lands inside nbclient's event loop (a run executed in this process) can leave its kernel-alive
+    # poll created but never awaited; Python then warns about it at exit, two lines after the runner's one-line
+    # "interrupted" message (a CI run failed on it). Nothing was lost: the kernel saved and the run resumes.
+    warnings.filterwarnings("ignore", message=r"coroutine 'NotebookClient\._async_poll_kernel_alive' was never awaited",
+                            category=RuntimeWarning)
     with _claimed(job) as (final, work, done):
         if done is not None:
             return done
