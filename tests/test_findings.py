@@ -1276,3 +1276,51 @@ def test_the_depth_gains_past_K_are_what_the_committed_seeds_runs_give():
     at_k = np.mean([runs["BaseLoop", s].task_accuracy.sel(task="iterated", loop=K).values for s in range(3)], axis=0)
     depth = list(runs["BaseLoop", 0].depth.values)
     assert f"depth 11 at {at_k[depth.index(11)]:.2f} and depth 10 at {at_k[depth.index(10)]:.2f}" in reading
+
+
+def test_dense_history_windows_hold_what_the_document_quotes():
+    """Dense history at w = 2 against w = 1 (family `windows`): the reading, the claims row, headline and README."""
+    import json
+
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    seeds = sorted(sd for a, sd in acc if a == "H(dense,w=2)")
+    assert seeds and seeds == list(range(len(seeds)))  # committed as they ended, in the profile's order
+
+    def span(arm, loop):
+        v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
+                   for sd in seeds)
+        return f"{v[0]:.2f}-{v[-1]:.2f}"
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    n = {1: "one seed", 2: "two seeds", 3: "three seeds"}[len(seeds)]
+    w2, w1 = "H(dense,w=2)", "H(dense)"
+    at = (K, int(1.5 * K), 2 * K, 3 * K)
+    assert (f"**Dense history at w = 2, {n}**" in reading
+            and f"overall {span(w2, at[0])} at K, {span(w2, at[1])} at 1.5K, {span(w2, at[2])} at 2K and {span(w2, at[3])} "
+                f"at 3K against the same seeds of w = 1's {span(w1, at[0])}, {span(w1, at[1])}, {span(w1, at[2])} and "
+                f"{span(w1, at[3])}" in reading)
+    if len(seeds) >= 2:  # the family's row
+        w = s.sel(comparison="window_2")
+        assert int(w.seeds) == len(seeds) and int(w.family_size) == 2  # "Holm over 2", fixed before the runs
+        ci = f"{float(w.difference):+.3f} [{float(w.low):+.3f}, {float(w.high):+.3f}]"
+        per_seed = " / ".join(f"{float(v):+.3f}" for v in w.per_seed.sel(seed=seeds).values)
+        corrected = f"[{float(w.low_corrected):+.3f}, {float(w.high_corrected):+.3f}]"
+        assert f"w = 2 minus w = 1 over 2K and 3K {ci} (seeds {per_seed}; Bonferroni {corrected})" in reading
+        head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(),
+                                                        "<!-- /findings:conditioning -->")
+                if r[0] == "History-state injection rescues deep extrapolation"]
+        assert len(head) == 2
+        for row in head:
+            assert f"dense w = 2, {n} (the dense_windows profile): overall over 2K and 3K minus w = 1 {ci}" in row[2]
+            assert f"w = 2 against w = 1: {w.verdict.item()} ({len(seeds)} seeds, Holm over 2)" in row[3]
+        assert (f"| Dense history at w = 2 does worse past K than at w = 1 (seeds/004) | {w.verdict.item()} "
+                f"({len(seeds)} seeds, Holm over 2): {ci}" in (DOCS.parent / "README.md").read_text())
+    train = DOCS / "findings" / "conditioning_seeds" / "train"
+    params = {d.name: json.loads((d / "run.json").read_text())["params"] for d in train.iterdir()}
+    keys = [k for k, p in params.items() if p.get("model_overrides", {}).get("history") == 2]
+    assert sorted(params[k]["seed"] for k in keys) == seeds
+    for key in keys:
+        attrs = run_file(train / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("5cb42d7") and attrs["precision"] == "fp32" and "`5cb42d7`" in reading
