@@ -251,6 +251,32 @@ def test_taper_summary_pairs_each_schedule_with_uniform_of_the_same_seed(tmp_pat
     assert np.isnan(float(s.vs_uniform_seed_low.sel(taper="cosine")))
 
 
+def test_taper_family_reads_each_seed_once_and_corrects_for_its_two_comparisons():
+    """Planted per-seed differences: cosine lower than uniform in every seed by a wide margin, reverse mixed."""
+    from scipy import stats
+
+    from workbench.experiments.findings import taper_claim_rows, taper_claims
+
+    cos, rev = np.array([-0.05, -0.06, -0.055, -0.052, -0.058]), np.array([0.02, -0.01, 0.03, 0.0, -0.02])
+    s = xr.Dataset({"vs_uniform_per_seed": (("taper", "seed"), np.stack([np.zeros(5), cos, rev]))},
+                   coords={"taper": ["uniform", "cosine", "reverse"], "seed": np.arange(5)})
+    c = taper_claims(s)
+    assert list(c.comparison.values) == ["cosine", "reverse"] and list(c.direction.values) == [-1, 1]
+    for name, v in (("cosine", cos), ("reverse", rev)):
+        r = c.sel(comparison=name)
+        q = stats.t.ppf(1 - 0.05 / 2 / 2, 4)  # Bonferroni over the family's 2
+        assert float(r.difference) == pytest.approx(v.mean())
+        assert float(r.high_corrected) == pytest.approx(v.mean() + q * v.std(ddof=1) / np.sqrt(5))
+        assert float(r.p) == pytest.approx(stats.ttest_1samp(v, 0).pvalue)
+    assert float(c.p_holm.sel(comparison="cosine")) == pytest.approx(2 * float(c.p.sel(comparison="cosine")))
+    assert c.verdict.values.tolist() == ["replicates", "inconclusive"]
+    assert taper_claim_rows(c)[0].startswith("| cosine - uniform | -0.0500 / -0.0600 / ")
+    s["vs_uniform_per_seed"][1] = -cos  # cosine above uniform in every seed: against the paper
+    assert taper_claims(s).verdict.values.tolist() == ["opposite", "inconclusive"]
+    with pytest.raises(ValueError, match="no 'reverse' runs"):
+        taper_claims(s.sel(taper=["uniform", "cosine"]))
+
+
 def test_committed_phi_fit_holds_the_numbers_the_document_quotes():
     from workbench.experiments.findings import phi_rows
 

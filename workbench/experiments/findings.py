@@ -213,6 +213,49 @@ def taper_rows(summary: xr.Dataset) -> list[str]:
 
 
 
+# The taper family, fixed before the `seeds` profile's runs ended: seeds/000's two directions (a cosine taper
+# "improves perplexity over a uniform-width baseline, while the reverse allocation hurts"), each the per-seed
+# mean over held-out windows of the paired loss difference to uniform at K; Holm over 2.
+TAPER_COMPARISONS = (("cosine", -1), ("reverse", +1))
+
+
+def taper_claims(summary: xr.Dataset) -> xr.Dataset:
+    """Return the taper family's rows (dim `comparison`: cosine, reverse, each minus uniform): per-seed values,
+    their t interval over seeds, the Bonferroni interval over the family, Holm p and the verdict."""
+    from ..stats import claim_variables, correct_family
+
+    rows = []
+    for taper, sign in TAPER_COMPARISONS:
+        if taper not in summary.taper.values:
+            raise ValueError(f"taper_claims: the summary has no {taper!r} runs (it has {list(summary.taper.values)}); "
+                             "the family compares cosine and reverse with uniform")
+        v = summary.vs_uniform_per_seed.sel(taper=taper).values
+        v = v[np.isfinite(v)]
+        rows.append({"values": v, "ci": seed_interval(v), "sign": sign})
+    correct_family(rows, len(TAPER_COMPARISONS))
+    names = [t for t, _ in TAPER_COMPARISONS]
+    per_seed = summary.vs_uniform_per_seed.sel(taper=names).rename(taper="comparison")
+    return xr.Dataset({**claim_variables(rows), "per_seed": per_seed.drop_vars("comparison"),
+                       "direction": ("comparison", [s for _, s in TAPER_COMPARISONS])},
+                      coords={"comparison": names, "seed": summary.seed.values},
+                      attrs={"statistic": "loss at K minus uniform's, nats/token, mean over held-out windows paired "
+                                          "within a seed", "family": "taper", "family_size": len(TAPER_COMPARISONS),
+                             "interval": "95% t over seeds; corrected: Bonferroni over the family"})
+
+
+def taper_claim_rows(claims: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's rows of the taper family: comparison, per-seed values, mean [95% t], the
+    Bonferroni interval, Holm p and the verdict."""
+    out = []
+    for c in claims.comparison.values:
+        s = claims.sel(comparison=c)
+        seeds = " / ".join(f"{float(v):+.4f}" for v in s.per_seed.values if np.isfinite(v))
+        out.append(f"| {c} - uniform | {seeds} | {float(s.difference):+.4f} [{float(s.low):+.4f}, "
+                   f"{float(s.high):+.4f}] | [{float(s.low_corrected):+.4f}, {float(s.high_corrected):+.4f}] "
+                   f"(m = {int(s.family_size)}) | {float(s.p_holm):.3f} | {s.verdict.item()} |")
+    return out
+
+
 def variant_name(cfg: dict) -> str:
     """Return the recurrence-effectiveness paper's name of a model's loop conditioning: plain, I, H(w=2), LG, I+H(w=2)+LG, ..."""
     parts = []
