@@ -154,6 +154,8 @@ PIPELINE = [
     ("LoopConfig.n_heads=3", {"n_heads": 3}),
     ("inject='Dense'", {"inject": "Dense"}),
     ("loop_sampler='poisson'", {"loop_sampler": "poisson"}),
+    # loops: 2 reaches no history lag (loop t sees min(w, t - 1) past states): a w = 2 arm would train w = 0
+    ("LoopConfig.history=2 is invalid: must be 0 when training runs at most 2 loops", {"model_overrides": {"history": 2}}),
     ("unknown parameter 'stepz'", {"stepz": 3}),
 ]
 

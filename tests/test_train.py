@@ -162,6 +162,30 @@ def test_bad_input_is_named(tmp_path):
                 out_dir=tmp_path / "r", resume=True)
 
 
+def test_a_history_window_its_loops_never_reach_is_refused_and_those_lags_get_no_gradient():
+    # what the refusal rests on: at K = 4 loop t sees min(w, t - 1) past states, so w = 4's lags 3 and 4 get no
+    # gradient (they stay at zero, the w = 2 model); at K = 6 every lag of w = 4 gets one
+    for K, reached in ((4, 2), (6, 4)):
+        model = LoopLM(CFG.replace(loops=K, history=4, history_op="channel"), seed=0)
+        with torch.no_grad():
+            for lag in model.history.lags:  # off the zero init, so every lag's term acts on the loss
+                lag.add_(0.05)
+        x = torch.as_tensor(byte_data(64).astype(np.int64)).reshape(2, 32)
+        model(x[:, :-1], targets=x[:, 1:]).loss.backward()
+        got = [lag.grad is not None and bool(lag.grad.abs().sum() > 0) for lag in model.history.lags]
+        assert got == [j < reached for j in range(4)], (K, got)
+    data = byte_data()
+    # K = 4 from scratch: refused before any work, naming the field, the value and the reachable window
+    with pytest.raises(ValueError, match=r"LoopConfig.history=4 is invalid: must be <= 2 when training runs at most 4"):
+        Trainer(CFG.replace(loops=4, history=4), TrainConfig(steps=1, batch_size=4, seq_len=32), data)
+    # sampled r: uniform up to loop_max=6 reaches lag 4, so the same model trains
+    Trainer(CFG.replace(loops=4, history=4), TrainConfig(steps=1, batch_size=4, seq_len=32, loop_sampler="uniform",
+                                                         loop_max=6, progress=False), data)
+    # a given model may have trained its far lags elsewhere: fine-tuning it at fewer loops is allowed
+    given = LoopLM(CFG.replace(loops=4, history=4), seed=0)
+    Trainer(given.cfg, TrainConfig(steps=1, batch_size=4, seq_len=32, progress=False), data, model=given)
+
+
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path):
     tc = TrainConfig(steps=6, batch_size=4, seq_len=32, checkpoint_every=2, progress=False)
     trainer = Trainer(CFG, tc, byte_data(), out_dir=tmp_path)

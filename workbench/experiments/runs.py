@@ -269,7 +269,7 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     from ..data.corpus import SOURCES, SPECIAL_TOKENS
     from ..data.sources import check_source_name
     from ..data.tasks import TASKS
-    from ..train import TrainConfig, check_fit
+    from ..train import TrainConfig, check_fit, check_history_trains
 
     if not isinstance(model, dict):
         fail("model", model, "must be a mapping of LoopConfig fields")
@@ -303,6 +303,7 @@ def check_train_run(model: dict, train: dict, corpus: str = "stdlib", vocab_size
     # periodic checkpoints: a killed pipeline run resumes from the last one instead of starting over
     tc = TrainConfig.from_dict({"seed": seed, "progress": progress, "checkpoint_every": 100, **train})
     check_fit(cfg, tc)
+    check_history_trains(cfg, tc)  # a run starts from scratch: a lag its loops never reach is a wasted arm
     return cfg, tc
 
 

@@ -153,6 +153,31 @@ def _f(name: str) -> str:
     return f"TrainConfig.{name}"
 
 
+def max_train_loops(tc: TrainConfig, K: int) -> int | None:
+    """Return the most loops one training step can run under tc's sampler (None: the sampler has no bound)."""
+    if tc.loop_sampler == "fixed":
+        return tc.loops or K
+    if tc.loop_sampler == "uniform":
+        return tc.loop_max or 2 * K
+    return tc.loop_max
+
+
+def check_history_trains(cfg: LoopConfig, tc: TrainConfig) -> None:
+    """Return None if every history lag of a model trained from scratch under tc can receive a gradient; else fail.
+
+    Loop t (0-based) sees m_t = min(w, t - 1) past states (SPEC §1), so an r-loop step reaches lags 1..r-2
+    at most. Lags past that stay at their zero init: at K = 4, w = 4 trains the same model as w = 2, bit for
+    bit (docs/findings.md, dense history windows), and a comparison of the two measures nothing.
+    """
+    r = max_train_loops(tc, cfg.loops)
+    if cfg.history and r is not None and cfg.history > max(r - 2, 0):
+        reach = f"<= {r - 2}" if r > 2 else "0"
+        fail("LoopConfig.history", cfg.history,
+             f"must be {reach} when training runs at most {r} loops: loop t sees min(w, t - 1) past states, "
+             f"so lags above {max(r - 2, 0)} would never get a gradient and stay zero; lower history or train "
+             f"with more loops (loops >= {cfg.history + 2})")
+
+
 def check_fit(cfg: LoopConfig, tc: TrainConfig) -> None:
     """Return None if the train config fits the model (sequence length, loop counts); else fail naming the field."""
     if tc.seq_len > cfg.max_seq_len:

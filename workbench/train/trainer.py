@@ -57,7 +57,8 @@ from ..models.looped import LoopLM
 from ..models.precision import autocast, precision_name, use_bf16
 from .checkpoint import Checkpointer, Diverged, Interrupted, data_fingerprint, nonfinite
 from .compile import compile_count, compile_pays, compiled_blocks
-from .config import CHANCE_FRACTION, CHANCE_STEPS, METRICS, PROGRESS_EVERY_S, RESUME_FIELDS, TrainConfig, check_fit
+from .config import CHANCE_FRACTION, CHANCE_STEPS, METRICS, PROGRESS_EVERY_S, RESUME_FIELDS, TrainConfig, check_fit, \
+    check_history_trains
 from .distill import frozen_copy, loop1_kl
 from .distributed import check_same_on_every_rank, init_distributed, is_distributed, pick_device, shard, sum_over_ranks
 from .loops import budget_steps, sample_loops
@@ -80,6 +81,8 @@ class Trainer:
         self.cfg, self.tc = cfg, tc
         self.out_dir = Path(out_dir) if out_dir is not None else None
         check_fit(cfg, tc)
+        if model is None:  # a given model may have trained its far lags elsewhere (a fine-tune at fewer loops)
+            check_history_trains(cfg, tc)
         # under torchrun the process group comes from the environment (a no-op alone, or when already made)
         self.rank, self.world, rank_device = init_distributed()
         self.dist = is_distributed()
