@@ -288,14 +288,67 @@ def test_committed_phi_fit_holds_the_numbers_the_document_quotes():
     assert len(list((DOCS / "findings" / "phi_sweep").glob("train*/*/results.nc"))) == int(ds.attrs["n_runs"])
 
 
-def test_committed_taper_findings_hold_the_numbers_the_document_quotes():
-    from workbench.experiments.findings import taper_rows
+def taper_seed_runs() -> dict:
+    """Return the committed taper seeds profile's runs: (schedule, seed) -> (results.nc file, run.json)."""
+    import json
 
-    s = xr.load_dataset(DOCS / "findings" / "taper" / "summary.nc", engine="h5netcdf")
-    text = (DOCS / "findings.md").read_text()
-    for row in taper_rows(s):
-        assert row in text, row
-    assert set(s.taper.values) == {"uniform", "cosine", "reverse"} and (s.seeds == 3).all()
+    runs = {}
+    for p in sorted((DOCS / "findings" / "taper_seeds" / "train").glob("*/results.nc")):
+        f = run_file(p, "loss", "loop", "window_loss", "flops_per_token", "tokens")
+        runs[json.loads(f["attrs"]["config_json"])["taper"], int(f["attrs"]["seed"])] = (
+            f, json.loads((p.parent / "run.json").read_text()))
+    return runs
+
+
+def test_committed_taper_findings_hold_the_numbers_the_document_quotes():
+    """The taper seeds profile (five seeds, one tokenizer): the family table is taper_claims of the committed summary,
+    and the section, its claim row and the headline quote its per-seed values, intervals, Holm p and verdicts."""
+    from workbench.experiments.findings import taper_claim_rows, taper_claims
+
+    summary = xr.load_dataset(DOCS / "findings" / "taper_seeds" / "summary.nc", engine="h5netcdf")
+    c, text = summary_is_quoted("taper_seeds/claims.nc", lambda: taper_claims(summary), taper_claim_rows)
+    # the summary is what the committed runs are: the same 15 (schedule, seed) pairs, 5 seeds of each schedule
+    runs = taper_seed_runs()
+    assert set(runs) == {(str(t), int(sd)) for t in summary.taper.values for sd in summary.seed.values}
+    assert list(summary.taper.values) == ["uniform", "cosine", "reverse"] and (summary.seeds == 5).all()
+    assert list(summary.seed.values) == [0, 1, 2, 3, 4] and int(summary.attrs["sequences"]) == 16
+    assert int(summary.attrs["seq_len"]) == 64  # "the same 16 held-out windows of 64 tokens"
+    assert list(c.comparison.values) == ["cosine", "reverse"] and (c.family_size == 2).all() and (c.seeds == 5).all()
+    part = section(text, "Tapered MLP widths (taper, seeds profile)")
+    reading = " ".join(part.split())
+    for name, arm in (("cosine", "cosine minus uniform is"), ("reverse", "reverse minus uniform")):
+        r = c.sel(comparison=name)
+        per_seed = " / ".join(f"{float(v):+.4f}" for v in r.per_seed.values)
+        assert f"{arm} {per_seed}" in reading, (name, per_seed)
+        assert float(r.per_seed.sel(seed=0)) == pytest.approx(float(summary.vs_uniform_per_seed.sel(taper=name, seed=0)))
+    cos, rev = c.sel(comparison="cosine"), c.sel(comparison="reverse")
+    assert (f"(below uniform in {int((cos.per_seed < 0).sum())} of 5 seeds)" in reading
+            and f"(above it in {int((rev.per_seed > 0).sum())} of 5)" in reading)
+    assert float(cos.difference) < 0 < float(rev.difference)  # "both means go the paper's way"
+    assert (f"cosine {-float(cos.difference):.3f} nats below uniform, reverse {float(rev.difference):.3f} above" in reading
+            and f"uniform's loss at K is {float(summary.loss.sel(taper='uniform')):.3f} nats" in reading)
+    assert c.verdict.values.tolist() == ["inconclusive", "inconclusive"]
+    assert (c.low_corrected < 0).all() and (c.high_corrected > 0).all()  # both Bonferroni intervals hold 0
+    p_holm, = {f"{float(v):.3f}" for v in c.p_holm.values}
+    verdict = f"inconclusive (5 seeds, Holm over 2, p = {p_holm} each): both means point the paper's way"
+
+    def ci(r, corrected=False):
+        lo, hi = (r.low_corrected, r.high_corrected) if corrected else (r.low, r.high)
+        return (f"{float(r.difference):+.4f} " if not corrected else "") + f"[{float(lo):+.4f}, {float(hi):+.4f}]"
+    row, = [[x.strip() for x in ln.strip().strip("|").split("|")] for ln in part.splitlines()
+            if ln.startswith("| A cosine taper (wide early, narrow late) beats uniform")]
+    assert f"cosine {ci(cos)}, reverse {ci(rev)} nats" in row[2] and row[3].startswith(verdict)
+    assert row[4] == "`workbench run taper --profile seeds --jobs 2`"
+    head, = [r for r in headline_rows() if r[0].startswith("A cosine MLP taper beats uniform")]
+    seeds = {n: " / ".join(f"{float(v):+.4f}" for v in c.sel(comparison=n).per_seed.values) for n in ("cosine", "reverse")}
+    assert (f"cosine {ci(cos)} (seeds {seeds['cosine']}), reverse {ci(rev)} (seeds {seeds['reverse']}) nats" in head[2]
+            and "5 seeds, one tokenizer" in head[2])
+    assert head[3].startswith(f"{verdict}, but both Bonferroni intervals hold 0 ({ci(cos, True)}, {ci(rev, True)})")
+    assert head[4] == "`workbench run taper --profile seeds --jobs 2`" and "seeds/000" in head[1]
+    assert not (DOCS / "findings" / "taper").exists() and "docs/findings/taper/" not in text  # the laptop run is gone
+    below = int((c.sel(comparison="cosine").per_seed < 0).sum())
+    assert (f"| Cosine MLP taper beats uniform (seeds/000) | inconclusive (5 seeds, Holm over 2): cosine {ci(cos)} nats against uniform, below "
+            f"it in {below} of 5 seeds; reverse {ci(rev)} |" in (DOCS.parent / "README.md").read_text())
 
 
 def test_conditioning_summary_pools_trained_and_beyond_depths_with_wilson_intervals(tmp_path):
@@ -610,7 +663,7 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
         assert moved in ours_only and not any(moved in r[0] for r in rows), moved
 
 
-SECTIONS = {"Allocation": "allocation", "Recurrence-equivalence": "phi_sweep", "Tapered": "taper",
+SECTIONS = {"Allocation": "allocation", "Recurrence-equivalence": "phi_sweep", "Tapered": "taper_seeds",
             "Loop conditioning": "conditioning", "Truncated against full": "truncation",
             "Lost gradient": "lost_gradient", "Retrofit: the re-entry": "retrofit"}
 
@@ -711,21 +764,53 @@ def test_the_phi_grid_is_flat_in_r_and_spans_what_the_document_says():
             assert "depth ladder" in ours and "replicates" not in verdict
 
 
-def test_the_taper_runs_cost_what_the_document_says_and_change_sign_between_seeds():
-    import json
+def test_the_taper_seeds_runs_cost_what_the_document_says_and_read_post_hoc_as_quoted():
+    """FLOPs, tokens, commit, precision, tokenizer and wall time of the 15 runs, and the post hoc reading of their own
+    held-out evaluation (results.nc window_loss at K), recomputed as the section quotes it."""
+    from datetime import datetime
+
+    from workbench.experiments.findings import taper_claim_rows, taper_claims
 
     text = (DOCS / "findings.md").read_text()
-    loss, flops = {}, set()
-    for p in (DOCS / "findings" / "taper" / "train").glob("*/results.nc"):
-        with xr.open_dataset(p, engine="h5netcdf") as ds:
-            loss[json.loads(ds.attrs["config_json"])["taper"], int(ds.attrs["seed"])] = float(ds.loss.sel(loop=4))
-            flops.add(f"{float(ds.flops_per_token) * float(ds.tokens):.2e}")
-    assert flops == {"1.16e+13"} and "(1.16e13 per run)" in text
-    assert " / ".join(f"{loss['uniform', s]:.3f}" for s in range(3)) in text
-    for taper in ("cosine", "reverse"):
-        diff = [loss[taper, s] - loss["uniform", s] for s in range(3)]
-        assert f"{taper} minus uniform" in text and " / ".join(f"{d:+.3f}" for d in diff) in text, (taper, diff)
-        assert min(diff) < 0 < max(diff)  # the sign changes between seeds
+    part = section(text, "Tapered MLP widths (taper, seeds profile)")
+    reading = " ".join(part.split())
+    runs = taper_seed_runs()
+    assert len(runs) == 15 and {sd for _, sd in runs} == {0, 1, 2, 3, 4}
+    flops = {f"{float(f['flops_per_token']) * float(f['tokens']):.2e}" for f, _ in runs.values()}
+    tokens = {float(f["tokens"]) for f, _ in runs.values()}
+    assert flops == {"1.16e+13"} and "(1.16e13 per run: flops_per_token x tokens" in reading
+    assert tokens == {400 * 16 * 128} and "400 steps of 16 x 128 tokens" in reading and "0.82 M training tokens" in reading
+    assert {f["attrs"]["git_commit"][:7] for f, _ in runs.values()} == {"0f36c1f"} and "`0f36c1f`" in part
+    assert {f["attrs"]["precision"] for f, _ in runs.values()} == {"fp32"} and "precision fp32" in reading
+    assert len({f["attrs"]["tokenizer"] for f, _ in runs.values()}) == 1  # "all 15 runs sharing one tokenizer"
+    assert {r["params"]["data_seed"] for _, r in runs.values()} == {0} and {r["params"]["steps"] for _, r in runs.values()} == {400}
+    assert {int(f["attrs"]["model_d_model"]) for f, _ in runs.values()} == {128} and "d = 128" in reading
+    assert {int(f["attrs"]["threads"]) for f, _ in runs.values()} == {1} and "--jobs 2 --threads 1" in reading
+    start = min(datetime.fromisoformat(r["started"]) for _, r in runs.values())
+    end = max(datetime.fromisoformat(r["finished"]) for _, r in runs.values())
+    assert round((end - start).total_seconds() / 60) == 32 and "15 runs in 32 minutes" in reading
+    assert str(start.date()) == "2026-12-05" and "2026-12-05" in reading
+    # post hoc: each seed's mean paired difference over its own 32 windows of 128 tokens, read by the family's code
+    tapers, window = ["uniform", "cosine", "reverse"], {}
+    for (taper, sd), (f, _) in runs.items():
+        w = f["window_loss"][list(f["loop"]).index(4)]
+        assert w.shape == (32,) and float(w.mean()) == pytest.approx(float(f["loss"][list(f["loop"]).index(4)]), abs=1e-5)
+        window[taper, sd] = w
+    per = np.array([[np.mean(window[t_, sd] - window["uniform", sd]) for sd in range(5)] for t_ in tapers])
+    post = taper_claims(xr.Dataset({"vs_uniform_per_seed": (("taper", "seed"), per)},
+                                   coords={"taper": tapers, "seed": np.arange(5)}))
+    cos, rev = post.sel(comparison="cosine"), post.sel(comparison="reverse")
+    seeds = " / ".join(f"{float(v):+.4f}" for v in cos.per_seed.values)
+    assert (cos.per_seed < 0).all() and "below uniform in every seed" in reading
+    assert (f"cosine - uniform {float(cos.difference):+.4f} [{float(cos.low):+.4f}, {float(cos.high):+.4f}] (seeds {seeds}, "
+            f"below uniform in every seed; Bonferroni [{float(cos.low_corrected):+.4f}, {float(cos.high_corrected):+.4f}])"
+            in reading)
+    assert f"reverse - uniform {float(rev.difference):+.4f} [{float(rev.low):+.4f}, {float(rev.high):+.4f}]" in reading
+    assert all(row not in text for row in taper_claim_rows(post))  # read post hoc: no verdict row of its own
+    fixed = xr.load_dataset(DOCS / "findings" / "taper_seeds" / "claims.nc", engine="h5netcdf")
+    sd_fixed, sd_post = float(fixed.per_seed.sel(comparison="cosine").std(ddof=1)), float(cos.per_seed.std(ddof=1))
+    assert f"standard deviation over seeds {sd_fixed:.3f} against {sd_post:.4f}" in reading
+    assert round(sd_fixed / sd_post) == 3  # "about three times wider"
 
 
 def test_the_truncation_rows_say_the_law_is_not_identified_and_compare_across_r_as_quoted():
@@ -1321,6 +1406,33 @@ def test_the_depth_gains_past_K_are_what_the_committed_seeds_runs_give():
     at_k = np.mean([runs["BaseLoop", s].task_accuracy.sel(task="iterated", loop=K).values for s in range(3)], axis=0)
     depth = list(runs["BaseLoop", 0].depth.values)
     assert f"depth 11 at {at_k[depth.index(11)]:.2f} and depth 10 at {at_k[depth.index(10)]:.2f}" in reading
+
+
+def test_dense_history_w4_at_k4_is_the_w2_model_and_the_document_says_so():
+    """w = 4 at K = 4 trains w = 2's model (lags past K - 2 never act): equal per seed, no verdict, as quoted."""
+    from workbench.experiments.conditioning_findings import SAME_MODEL, _runs, _same_model
+
+    runs, K = _runs(DOCS / "findings", "conditioning_seeds")
+    assert K == 4
+    for sd in (0, 1, 2):
+        w4, w2 = runs["H(dense,w=4)", sd], runs["H(dense,w=2)", sd]
+        for var in ("group_accuracy", "group_accuracy_beyond", "loss"):
+            np.testing.assert_array_equal(w4[var].values, w2[var].values)  # "to the last bit"
+        assert w4.attrs["git_commit"].startswith("8a773e3") and w4.attrs["precision"] == "fp32"
+    # the rule that marks it: one model exactly when both windows reach the same lags at this K
+    assert _same_model("H(dense,w=4)", "H(dense,w=2)", 4) and not _same_model("H(dense,w=4)", "H(dense,w=2)", 6)
+    assert not _same_model("H(dense,w=2)", "H(dense)", 4) and not _same_model("H+LG", "I+H", 4)
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    w = s.sel(comparison="window_4")
+    assert w.verdict.item() == SAME_MODEL and int(w.family_size) == 2 and int(w.seeds) == 3
+    assert (w.per_seed == 0).all()
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert "**Dense history at w = 4, three seeds: the w = 2 model at K = 4.**" in reading and "`8a773e3`" in reading
+    for row in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->"):
+        if row[0] == "History-state injection rescues deep extrapolation":
+            assert "w = 4 against w = 2: not identifiable at K = 4" in row[3]
+    assert ("| Dense history at w = 4 does worse past K than at w = 2 (seeds/004) | not identifiable at K = 4"
+            in (DOCS.parent / "README.md").read_text())
 
 
 def test_dense_history_windows_hold_what_the_document_quotes():

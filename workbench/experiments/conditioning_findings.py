@@ -33,7 +33,10 @@ r = K, as the paper averages "over lags 1-6"; `probes.interaction`, SPEC §3), r
 geometry notebook's validation windows; `conditioning_claims(..., interaction=...)` adds the family.
 Family `windows` (2 comparisons, fixed before any w = 2 or 4 run ended): dense history at w = 2 minus w = 1, and
 w = 4 minus w = 2, overall averaged over 2K and 3K ("expanding to w=2 or w=4 progressively diminished
-extrapolation performance"), each down.
+extrapolation performance"), each down. Loop t sees min(w, t - 1) past states, so K training loops reach lags
+1..K-2 only: at K = 4, w = 4 trains the same model as w = 2 (the committed runs agree bit for bit), and such a
+comparison gets the verdict SAME_MODEL; it still counts in the family's size fixed before the runs. The paper's
+windows ran at K = 7 (4x7 BaseLoop); `--profile dense_windows_k6` trains all three windows at K = 6.
 Family `combinations` (3 comparisons, fixed before any of their runs; `conditioning --profile combination_seeds`):
 H+LG minus I+H, minus I+LG and minus I+H+LG, overall averaged over r = K, 1.5K, 2K, 3K as `hlg` ("At D=84, H+LG
 reached 37.30 overall, exceeding I+H (36.91) and I+LG (36.33)"; "three-way combinations stayed below H+LG"),
@@ -78,6 +81,8 @@ COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - rea
                ("combination_interaction", "interaction_ilg", "H+LG", "I+LG",
                 "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1))
 INTERACTION_FAMILIES = ("interaction", "combination_interaction")  # read from interaction_by_run, not accuracy
+# the verdict of a window comparison whose arms train one model: at K loops the lags past K - 2 never act
+SAME_MODEL = "not identifiable: one model at this K"
 
 
 def arm_of(cfg: dict) -> str:
@@ -120,6 +125,23 @@ def _runs(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.Dataset], i
     if len(Ks) > 1:
         raise ValueError(f"the {pipeline} runs under {runs_dir} trained at several K ({sorted(Ks)}): one K per claim")
     return out, (Ks.pop() if Ks else 0)
+
+
+def reached_window(arm: str, K: int) -> int | None:
+    """Return the history lags an arm's K-loop training reaches, min(w, K - 2) (SPEC §1: loop t sees min(w, t - 1)
+    past states), or None for an arm without history; w is the arm's `w=N` (1 when absent)."""
+    if not arm.startswith("H") and "+H" not in arm:
+        return None
+    w = int(arm.split("w=")[1].split(")")[0]) if "w=" in arm else 1
+    return min(w, max(K - 2, 0))
+
+
+def _same_model(a: str, b: str, K: int) -> bool:
+    """Return True when arms a and b differ only in a history window that K loops never reach past: one model."""
+    if not b or "w=" not in a + b:
+        return False
+    strip = [x.replace(f",w={x.split('w=')[1].split(')')[0]}", "") if "w=" in x else x for x in (a, b)]
+    return strip[0] == strip[1] and reached_window(a, K) == reached_window(b, K)
 
 
 def _accuracy(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.DataArray], int]:
@@ -190,6 +212,9 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
         raise ValueError(f"no comparison under {runs_dir} has 2 or more seeds holding its arms")
     for fam in sorted({r["family"] for r in rows}):  # each family's size fixed before the runs
         correct_family([r for r in rows if r["family"] == fam], sum(1 for c in COMPARISONS if c[0] == fam and c[5]))
+    for r in rows:  # it keeps its place in the family's count (fixed before the runs), not a verdict
+        if _same_model(r["a"], r["b"], K):
+            r["verdict"] = SAME_MODEL
     dim = "comparison"
     data: dict[str, Any] = {
         **claim_variables(rows, dim),

@@ -166,7 +166,7 @@ def taper_summary(runs_dir: str | os.PathLike, n: int = 16, seq_len: int = 64, s
     Every done run of the taper pipeline's `train` step is reopened and scored on `n` validation
     windows of `seq_len` tokens; runs of one seed share the tokenizer and so the windows, which makes
     the difference to the uniform run of the same seed a paired one. `loss_*` and `vs_uniform_*` bootstrap
-    the windows pooled over seeds (no seed variance; kept for the committed laptop run), `vs_uniform_seed*`
+    the windows pooled over seeds (no seed variance: a description of the pooled runs, not a claim's interval), `vs_uniform_seed*`
     is the 95% t interval over the seeds' mean paired differences (stats.seed_interval: seeds are the unit
     of replication; NaN with fewer than 2 seeds), and `vs_uniform_per_seed` each seed's mean difference.
     """
