@@ -1435,6 +1435,48 @@ def test_dense_history_w4_at_k4_is_the_w2_model_and_the_document_says_so():
             in (DOCS.parent / "README.md").read_text())
 
 
+def test_h_lg_against_i_h_holds_what_the_document_quotes():
+    """H+LG minus I+H (family `combinations`, three seeds): the claims row, the reading, the rows and the README."""
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    assert sorted(sd for a, sd in acc if a == "I+H") == [0, 1, 2]
+
+    def span(arm, loop):
+        v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
+                   for sd in (0, 1, 2))
+        return f"{v[0]:.2f}-{v[-1]:.2f}"
+    at = (2, K, 2 * K, 3 * K)
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert ("**I+H against H+LG, three seeds**" in reading
+            and f"overall {span('I+H', at[0])} at r = 2, {span('I+H', at[1])} at K, {span('I+H', at[2])} at 2K and "
+                f"{span('I+H', at[3])} at 3K against the same seeds of H+LG's {', '.join(span('H+LG', x) for x in at[:3])} "
+                f"and {span('H+LG', at[3])}, close to plain's ({', '.join(span('plain', x) for x in at)};" in reading)
+    c = s.sel(comparison="hlg_over_ih")
+    assert int(c.seeds) == 3 and int(c.family_size) == 3 and c.verdict.item() == "inconclusive"
+    assert (c.per_seed < 0).all()  # "below I+H in every seed"
+    ci = f"{float(c.difference):+.3f} [{float(c.low):+.3f}, {float(c.high):+.3f}]"
+    per_seed = " / ".join(f"{float(v):+.3f}" for v in c.per_seed.values)
+    corrected = f"[{float(c.low_corrected):+.3f}, {float(c.high_corrected):+.3f}]"
+    assert f"H+LG minus I+H is {ci} (seeds {per_seed}; Bonferroni {corrected})" in reading
+    assert "family `combinations`: 1 of 3" in reading and "comparison" in s.dims
+    assert not {"hlg_over_ilg", "hlg_over_ihlg"} & set(s.comparison.values.tolist())  # under three seeds: no row
+    lg = [round(float(acc["I+LG", 0].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=x)), 2) for x in at[1:]]
+    assert f"I+LG seed 0 has run: overall {lg[0]:.2f} at K, {lg[1]:.2f} at 2K, {lg[2]:.2f} at 3K" in reading
+    rows = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
+            if r[0] == "History-state and timestep conditioning are the strongest pair"]
+    assert len(rows) == 2
+    for row in rows:
+        assert f"H+LG minus I+H on the same statistic {ci}" in row[2]
+        assert "against I+H inconclusive (3 seeds, Holm over 3): below I+H in every seed" in row[3]
+    assert (f"| H+LG scores above I+H (seeds/004) | inconclusive (3 seeds, Holm over 3): {ci} overall, below I+H in "
+            "every seed" in (DOCS.parent / "README.md").read_text())
+    for key in ("b8d58a302f71248b", "f7816f18bfc89d27", "56defc08dd47197e", "e8eb7693d99969d4"):  # I+H 0-2, I+LG 0
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("7b44d0d") and attrs["precision"] == "fp32" and "`7b44d0d`" in reading
+
+
 def test_dense_history_windows_hold_what_the_document_quotes():
     """Dense history at w = 2 against w = 1 (family `windows`): the reading, the claims row, headline and README."""
     from workbench.experiments.conditioning_findings import _accuracy
