@@ -305,6 +305,39 @@ def test_dense_history_windows_are_their_own_arms_and_family(tmp_path):
         assert c.verdict.values.tolist() == ["replicates", "replicates" if K == 6 else SAME_MODEL]
 
 
+def test_h_lg_is_read_against_its_two_parts_and_the_loop_gate_against_plain(tmp_path):
+    from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
+    from workbench.experiments.runs import train_notebook_args
+    from workbench.pipeline.keys import expand
+    from workbench.pipeline.spec import load_spec
+
+    # the profile's runs are H+LG's two parts alone, three seeds each, named as the claims name them
+    jobs = [j for j in expand(load_spec("conditioning", "component_seeds"), tmp_path / "x") if j.step == "train"]
+    named = sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
+    assert named == sorted((a, sd) for a in ("H(channel)", "LG") for sd in (0, 1, 2))
+    rng = np.random.default_rng(4)
+    k, r = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7]), np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
+    at_2k = np.array([0, 0, 0, 0, 1, 0])  # r = 8: the one loop count the timestep comparison reads
+    arms = {"plain": ({}, 0.0, 0.0), "H+LG": ({"history": 1, "history_op": "channel", "timestep": "loop_gate"}, 0.0, 0.0),
+            "H(channel)": ({"history": 1, "history_op": "channel"}, 0.06, 0.0),
+            "LG": ({"timestep": "loop_gate"}, 0.0, -0.1)}  # LG: level with H+LG except 0.1 above plain at 2K
+    for arm, (cfg, drop, lift) in arms.items():
+        for sd in range(3):
+            noise = rng.normal(0, 0.004, 6)
+            plant_conditioning_run(tmp_path, f"{arm}{sd}", cfg, sd, k - drop - lift * at_2k + noise,
+                                   r - drop - lift * at_2k + noise)
+    c = conditioning_claims(tmp_path)
+    assert {"hlg_over_h", "hlg_over_lg", "lg"} <= set(c.comparison.values.tolist())
+    assert (c.family_size.sel(comparison=["hlg_over_h", "hlg_over_lg"]) == 2).all()
+    assert float(c.difference.sel(comparison="hlg_over_h")) == pytest.approx(0.06, abs=0.01)
+    # the loop gate's lift sits at 2K only: a quarter of it in the K..3K mean, all of it at 2K
+    assert float(c.difference.sel(comparison="hlg_over_lg")) == pytest.approx(-0.025, abs=0.01)
+    assert float(c.difference.sel(comparison="lg")) == pytest.approx(0.1, abs=0.01)
+    assert c.verdict.sel(comparison="hlg_over_h").item() == "replicates"
+    assert c.verdict.sel(comparison="hlg_over_lg").item() == "opposite"
+    assert c.verdict.sel(comparison="lg").item() == "no direction" and int(c.family_size.sel(comparison="lg")) == 0
+
+
 def test_the_combinations_are_named_as_the_paper_and_ranked_below_h_lg_per_seed(tmp_path):
     from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
     from workbench.experiments.runs import train_notebook_args

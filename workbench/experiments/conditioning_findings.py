@@ -43,6 +43,12 @@ reached 37.30 overall, exceeding I+H (36.91) and I+LG (36.33)"; "three-way combi
 each up. I is channel-wise initial-state injection and H channel-wise history at w = 1, as in H+LG.
 Family `combination_interaction` (2 comparisons, fixed with them): the log of H+LG's cross-loop response over
 I+H's and over I+LG's ("H+LG showed 18.6% and 10.4% higher mean interaction over lags 1–6 than I+H and I+LG"), up.
+Family `components` (2 comparisons, fixed on 2026-12-05 before any of their runs; `--profile component_seeds`):
+H+LG minus channel-wise history alone (H(channel), w = 1) and minus the loop gate alone (LG), overall averaged over
+r = K, 1.5K, 2K, 3K as `hlg`, each up (H+LG "beating its stronger individual component by 1.16 percentage
+points"). Family `timestep` (1 comparison, fixed with them): LG minus plain, overall at 2K (the paper's L(r) = 56 on
+its 7x4 core), no direction: the paper's gain "depends on the architecture" (7x4 up, 4x7 and 2x14 "much smaller or
+negative"), and our 2x4 core is none of them.
 """
 
 from __future__ import annotations
@@ -79,7 +85,10 @@ COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - rea
                ("combination_interaction", "interaction_ih", "H+LG", "I+H",
                 "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1),
                ("combination_interaction", "interaction_ilg", "H+LG", "I+LG",
-                "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1))
+                "log of mean C at each loop lag, averaged over lags 1..K-1, at r = K", +1),
+               ("components", "hlg_over_h", "H+LG", "H(channel)", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
+               ("components", "hlg_over_lg", "H+LG", "LG", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
+               ("timestep", "lg", "LG", "plain", "overall at 2K", 0))
 INTERACTION_FAMILIES = ("interaction", "combination_interaction")  # read from interaction_by_run, not accuracy
 # the verdict of a window comparison whose arms train one model: at K loops the lags past K - 2 never act
 SAME_MODEL = "not identifiable: one model at this K"
@@ -101,6 +110,8 @@ def arm_of(cfg: dict) -> str:
         return "+".join(parts)
     if history and timestep == "loop_gate" and inject == "none":
         return "H+LG" if op == "channel" and not w else f"H({op}{w})+LG"
+    if timestep == "loop_gate" and not history and inject == "none":
+        return "LG"
     if history and timestep == "none" and inject == "none":
         return f"H({op}{w})"
     if inject != "none" and not history and timestep == "none":
@@ -175,6 +186,8 @@ def _statistic(acc: xr.DataArray, name: str, K: int) -> float:
         return float(acc.sel(group="knowledge", loop=at["2K"]) - acc.sel(group="knowledge", loop=at["K"]))
     if name == "hlg" or name.startswith("hlg_over_"):
         return float(overall.sel(loop=[at[k] for k in ("K", "1.5K", "2K", "3K")]).mean())
+    if name == "lg":  # the paper's budget L(r) = 56 on its 7x4 core: r = 2K
+        return float(overall.sel(loop=at["2K"]))
     if name == "dense_history":
         return float(overall.sel(loop=at["3K"]))
     if name.startswith("reasoning_"):
@@ -335,7 +348,10 @@ PAPER = {"first_reasoning": "reasoning rose from 28.52 at L(r)=20 to 31.49 at L(
          "hlg_over_ilg": "At D=84, H+LG reached 37.30 overall, exceeding ... I+LG (36.33)",
          "hlg_over_ihlg": "three-way combinations stayed below H+LG",
          "interaction_ih": "H+LG showed 18.6% ... higher mean interaction over lags 1–6 than I+H",
-         "interaction_ilg": "H+LG showed ... 10.4% higher mean interaction over lags 1–6 than ... I+LG"}
+         "interaction_ilg": "H+LG showed ... 10.4% higher mean interaction over lags 1–6 than ... I+LG",
+         "hlg_over_h": "beating its stronger individual component by 1.16 percentage points",
+         "hlg_over_lg": "beating its stronger individual component by 1.16 percentage points",
+         "lg": "its efficacy depends on the architecture"}
 
 
 def conditioning_claim_rows(claims: xr.Dataset) -> list[str]:
