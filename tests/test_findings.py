@@ -897,6 +897,33 @@ def test_committed_allocation_seeds_hold_the_numbers_the_document_quotes():
                for a, k in zip(s.arm.values, s.training_loops.values))  # "every model is best at its own K"
 
 
+def test_the_coda_geometry_below_k_holds_what_the_document_quotes():
+    """The post hoc under-unrolling geometry family: committed summary, both tables, the readings and the rows."""
+    from workbench.experiments.allocation_findings import _geometry, _train_runs, under_geometry_claims, under_geometry_rows
+
+    s, text = summary_is_quoted("allocation_seeds/under_geometry.nc",
+                                lambda: under_geometry_claims(DOCS / "findings", pipeline="allocation_seeds"),
+                                under_geometry_rows)
+    assert s.sizes["comparison"] == 4 and (s.family_size == 4).all() and (s.verdict == "opposite").all()
+    assert (s.per_seed > 0).all()  # the coda-only model's states turn and move more, in every seed
+    later = under_geometry_claims(DOCS / "findings", pipeline="allocation_seeds", first_loop=2)
+    for row in under_geometry_rows(later):
+        assert row in text, row
+    assert (later.difference > 0).all() and (later.difference < s.difference / 5).all()  # "far smaller"
+    runs = _train_runs(DOCS / "findings", "allocation_seeds")
+    geo = _geometry(DOCS / "findings", "allocation_seeds", runs)
+    first = {a: float(geo[(a, 0)].relative_update.sel(loop=1)) for a in ("0+2x4+2", "2+2x4+0", "1+2x4+1")}
+    lo, hi = sorted([first["2+2x4+0"], first["1+2x4+1"]])
+    reading = " ".join(section(text, "Allocation: terminal-to-core ratio").split())
+    assert f"(relative update {first['0+2x4+2']:.0f} against {lo:.1f}-{hi:.1f} for the models with a prelude, seed 0)" in reading
+    row = [r for r in headline_rows() if r[0] == "A coda mitigates under-unrolling"][0]
+    a, u = (s.sel(comparison=i) for i in (0, 1))
+    assert (a.quantity.item(), u.quantity.item(), a.b.item()) == ("angular_distance", "relative_update", "2+2x4+0")
+    assert (f"angular distance {float(a.difference):+.3f} [{float(a.low):+.3f}, {float(a.high):+.3f}] π rad, relative "
+            f"update {float(u.difference):+.3f} [{float(u.low):+.3f}, {float(u.high):+.3f}]" in row[2])
+    assert "the geometry part opposite too (post hoc, Holm over 4)" in row[3]
+
+
 def test_the_committed_terminal_to_core_ratios_hold_the_numbers_the_document_quotes():
     from workbench.experiments.allocation_findings import terminal_to_core_claims, terminal_to_core_rows
 

@@ -478,3 +478,39 @@ def test_interaction_by_run_reads_each_checkpoint_at_its_training_loop_count(tmp
         ref = interaction(run.model, run.val_tokens(2, 32, seed=0)[:, :-1], 3)
     assert np.allclose(ds.interaction_by_lag.sel(run="b").values, ref.interaction_by_lag.values, equal_nan=True)
     assert float(ds.cross_loop.sel(run="b")) == pytest.approx(float(ref.interaction_by_lag[1:].mean()))
+
+
+def test_under_geometry_claims_average_the_loops_below_k_and_pair_per_seed(tmp_path):
+    """Planted geometry: a model whose loops below K move by a known extra amount reads as that difference."""
+    from workbench.experiments import allocation_findings as af
+
+    K, seeds = 4, (0, 1, 2)
+    for arm, extra in (("0+2x4+2", 0.3), ("2+2x4+0", 0.0), ("1+2x4+1", 0.1)):
+        pre, coda = int(arm[0]), int(arm[-1])
+        for sd in seeds:
+            key = f"{arm}-{sd}".replace("+", "p")
+            t = tmp_path / "allocation" / "train" / key
+            t.mkdir(parents=True)
+            (t / "run.json").write_text(json.dumps({"status": "done", "finished": key,
+                                                    "params": {"prelude": pre, "core": 2, "loops": K, "coda": coda,
+                                                               "seed": sd}}))
+            loops = np.arange(1, 13)
+            xr.Dataset({"window_loss": (("loop", "window"), np.ones((4, 2)))},
+                       coords={"loop": [1, 2, 4, 8], "window": [0, 1]},
+                       attrs={"data_seed": 0}).to_netcdf(t / "results.nc", engine="h5netcdf")
+            g = tmp_path / "allocation" / "geometry" / f"g{key}"
+            g.mkdir(parents=True)
+            (g / "run.json").write_text(json.dumps({"status": "done", "finished": key,
+                                                    "params": {"checkpoint": str(t)}}))
+            # below K the planted extra (plus a per-seed wobble that pairs away); past K all models agree
+            base = 0.1 / loops + 0.01 * sd
+            xr.Dataset({"angular_distance": ("loop", base + extra * (loops < K)),
+                        "relative_update": ("loop", 2 * base + 2 * extra * (loops < K))},
+                       coords={"loop": loops}).to_netcdf(g / "results.nc", engine="h5netcdf")
+    c = af.under_geometry_claims(tmp_path)
+    assert c.sizes["comparison"] == 4 and (c.family_size == 4).all()
+    np.testing.assert_allclose(c.difference.values, [0.3, 0.6, 0.2, 0.4], atol=1e-9)
+    np.testing.assert_allclose(c.per_seed.values, np.repeat([[0.3], [0.6], [0.2], [0.4]], 3, axis=1), atol=1e-9)
+    assert (c.verdict == "opposite").all()  # the paper's sign is negative: the coda-only model should move less
+    with pytest.raises(ValueError, match="first_loop=4 is invalid"):
+        af.under_geometry_claims(tmp_path, first_loop=4)

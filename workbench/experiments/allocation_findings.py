@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..config import fail
 from ..io import RunDir, find_runs, read_json
 from ..stats import claim_variables, correct_family, seed_interval
 
@@ -342,3 +343,63 @@ def horizon_claim_rows(claims: xr.Dataset) -> list[str]:
     rows = [claims.isel(comparison=i) for i in range(claims.sizes["comparison"])]
     return [_comparison_row(s, " / ".join(f"{float(v):+.3f}" for v in s.per_seed.values if np.isfinite(v)))
             for s in rows]
+
+
+# The coda's geometry below the horizon, chosen on 2026-12-05 after the seeds profile had run (its geometry was
+# committed and read for the convergence claim, not for this one; post hoc all the same, and docs/findings.md says
+# so). seeds/004: coda allocations reduced degradation under under-unrolling "with smaller angular changes and more
+# stable recurrent states than BaseLoop and the Prelude-only variant". An under-unrolled run makes loops 1..K-1,
+# and those states do not depend on how many loops follow, so the statistic is a model's mean over loops
+# 1 <= t < K of the angular distance between successive loop states (the "angular changes") and of the relative
+# update norm (how much a state still moves: the inverse of "stable"); coda-only 0+2x4+2 minus prelude-only
+# 2+2x4+0, and minus 1+2x4+1 standing in for BaseLoop (no prelude or coda; not trained here); the paper's sign is
+# negative for all four, one family.
+UNDER_GEOMETRY = [("under_geometry", "0+2x4+2", b, var, -1) for b in ("2+2x4+0", "1+2x4+1")
+                  for var in ("angular_distance", "relative_update")]
+
+
+def under_geometry_claims(runs_dir: str | os.PathLike, pipeline: str = "allocation",
+                          first_loop: int = 1) -> xr.Dataset:
+    """Return one row per UNDER_GEOMETRY comparison: per seed, arm a's mean over loops first_loop <= t < K of a
+    geometry variable minus arm b's (the same K); a 95% t interval over seeds; Holm and Bonferroni over the family.
+    The fixed statistic starts at loop 1; first_loop=2 is the reading without the first loop, whose step from the
+    embeddings (no prelude) or from a prelude's output differs by construction (read after, no verdict)."""
+    runs = _train_runs(runs_dir, pipeline)
+    geo = _geometry(runs_dir, pipeline, runs)
+    seeds = sorted({s for _, s in runs})
+
+    def under(a: str, s: int, var: str) -> float:
+        ds, K = geo[(a, s)], runs[(a, s)]["K"]
+        if K <= first_loop:
+            fail("first_loop", first_loop, f"must be below arm {a}'s training loop count K = {K}")
+        return float(ds[var].sel(loop=list(range(first_loop, K))).mean())
+
+    rows = []
+    for q, a, b, var, sign in UNDER_GEOMETRY:
+        both = [s for s in seeds if (a, s) in geo and (b, s) in geo]
+        if len(both) >= 2:
+            if runs[(a, both[0])]["K"] != runs[(b, both[0])]["K"]:
+                fail("arms", f"{a}, {b}", "must train at the same K to compare their loops below it")
+            vals = [under(a, s, var) - under(b, s, var) for s in both]
+            rows.append({"question": q, "a": a, "b": b, "quantity": var, "sign": sign, "values": vals,
+                         "ci": seed_interval(vals), "seeds": both})
+    if not rows:
+        raise ValueError(f"no under-unrolling geometry comparison under {runs_dir} has 2 or more seeds holding both arms")
+    correct_family(rows, len(UNDER_GEOMETRY))
+    dim = "comparison"
+    ds = xr.Dataset(
+        {**claim_variables(rows, dim), "per_seed": ((dim, "seed"), _per_seed(rows, seeds))},
+        coords={**{k: (dim, [r[k] for r in rows]) for k in ("question", "a", "b", "quantity", "sign")}, "seed": seeds})
+    ds.attrs = {"interval": f"95% Student t over per-seed differences of the mean over loops {first_loop}..K-1",
+                "first_loop": first_loop,
+                "correction": f"Holm p-values and Bonferroni intervals at 1 - 0.05/{len(UNDER_GEOMETRY)}",
+                "comparisons": len(UNDER_GEOMETRY)}
+    return ds
+
+
+def under_geometry_rows(claims: xr.Dataset) -> list[str]:
+    """Return docs/findings.md's rows: question, a − b, quantity, per-seed values, mean [95% t], corrected, verdict."""
+    rows = [claims.isel(comparison=i) for i in range(claims.sizes["comparison"])]
+    first = int(claims.attrs.get("first_loop", 1))
+    return [_comparison_row(s, f"{s.quantity.item()}, mean over loops {first}..K-1",
+                            " / ".join(f"{float(v):+.4f}" for v in s.per_seed.values if np.isfinite(v))) for s in rows]
