@@ -998,6 +998,15 @@ def test_the_lost_gradient_from_32_to_64_loops_holds_what_the_document_quotes():
         assert f"+{min(v):.3f} to +{max(v):.3f} at k = {k}" in head[2], k
     assert head[3].startswith("opposite for 5 of 9 comparisons") and "replicates for 2" in head[3]
     assert "Comparisons: 3 per model" in text and "9 comparisons in all" in text
+    # the stricter reading: Bonferroni over all 9 comparisons of the three models
+    from workbench.stats import equivalence_verdict, seed_interval
+    over_9 = [equivalence_verdict(seed_interval(s.per_seed.sel(comparison=k).values, level=1 - 0.05 / 9), 0.03)
+              for name in ("lost_gradient_deep", "lost_gradient_sampled", "lost_gradient_sampled_3000")
+              for s in [xr.load_dataset(DOCS / "findings" / name / "summary.nc", engine="h5netcdf")] for k in (1, 2, 4)]
+    assert over_9 == ["inconclusive"] * 5 + ["opposite", "replicates", "opposite", "opposite"]
+    assert ("the tally is opposite for 3 (k = 4 of models 2 and 3, k = 2 of model 3), replicates for 1 (k = 1 of "
+            "model 3) and inconclusive for 5" in " ".join(text.split()))
+    assert "over all 9: opposite for 3, replicates for 1" in head[3]
 
 
 def test_the_retrofit_claims_and_depth_tables_are_what_the_committed_runs_give():
