@@ -893,6 +893,10 @@ def test_committed_allocation_seeds_hold_the_numbers_the_document_quotes():
     assert sorted({str(a) for a, v in zip(geo.a.values, geo.verdict.values) if v == "replicates"}) == [
         "1+4x3+1", "1+6x2+1"]
     mean = s.loss.mean("seed")
+    pre = mean.sel(arm="2+2x4+0")  # "the prelude-heavy model's own loss still rises past K"
+    own = float(pre.sel(loop=[6, 8, 9, 12]).mean() - pre.sel(loop=4))
+    row = [r for r in headline_rows() if r[0] == "Prelude-heavy allocations extrapolate better"][0]
+    assert own > 0 and f"(+{own:.3f} nats on the same mean, seed mean)" in row[2]
     assert all(int(mean.loop[int(mean.sel(arm=a).argmin())]) == int(k)
                for a, k in zip(s.arm.values, s.training_loops.values))  # "every model is best at its own K"
 
