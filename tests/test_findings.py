@@ -1475,6 +1475,13 @@ def test_dense_history_w4_at_k4_is_the_w2_model_and_the_document_says_so():
             in (DOCS.parent / "README.md").read_text())
 
 
+def quoted_comparison(c) -> tuple[str, str, str]:
+    """Return a seed comparison as findings.md quotes it: mean [95% t], per-seed values, Bonferroni interval."""
+    return (f"{float(c.difference):+.3f} [{float(c.low):+.3f}, {float(c.high):+.3f}]",
+            " / ".join(f"{float(v):+.3f}" for v in c.per_seed.values),
+            f"[{float(c.low_corrected):+.3f}, {float(c.high_corrected):+.3f}]")
+
+
 def test_h_lg_against_i_h_holds_what_the_document_quotes():
     """H+LG minus I+H (family `combinations`, three seeds): the claims row, the reading, the rows and the README."""
     from workbench.experiments.conditioning_findings import _accuracy
@@ -1496,9 +1503,7 @@ def test_h_lg_against_i_h_holds_what_the_document_quotes():
     c = s.sel(comparison="hlg_over_ih")
     assert int(c.seeds) == 3 and int(c.family_size) == 3 and c.verdict.item() == "inconclusive"
     assert (c.per_seed < 0).all()  # "below I+H in every seed"
-    ci = f"{float(c.difference):+.3f} [{float(c.low):+.3f}, {float(c.high):+.3f}]"
-    per_seed = " / ".join(f"{float(v):+.3f}" for v in c.per_seed.values)
-    corrected = f"[{float(c.low_corrected):+.3f}, {float(c.high_corrected):+.3f}]"
+    ci, per_seed, corrected = quoted_comparison(c)
     assert f"H+LG minus I+H is {ci} (seeds {per_seed}; Bonferroni {corrected})" in reading
     assert "family `combinations`: 1 of 3" in reading and "comparison" in s.dims
     assert not {"hlg_over_ilg", "hlg_over_ihlg"} & set(s.comparison.values.tolist())  # under three seeds: no row
@@ -1539,9 +1544,7 @@ def test_dense_history_windows_hold_what_the_document_quotes():
     w = s.sel(comparison="window_2")
     assert int(w.seeds) == 3 and int(w.family_size) == 2  # "Holm over 2", fixed before the runs
     assert (w.per_seed < 0).all()  # "lower in every seed"
-    ci = f"{float(w.difference):+.3f} [{float(w.low):+.3f}, {float(w.high):+.3f}]"
-    per_seed = " / ".join(f"{float(v):+.3f}" for v in w.per_seed.values)
-    corrected = f"[{float(w.low_corrected):+.3f}, {float(w.high_corrected):+.3f}]"
+    ci, per_seed, corrected = quoted_comparison(w)
     assert f"w = 2 minus w = 1 over 2K and 3K {ci} (seeds {per_seed}; Bonferroni {corrected})" in reading
     head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
             if r[0] == "History-state injection rescues deep extrapolation"]
