@@ -1161,8 +1161,7 @@ def test_dense_initial_state_injection_holds_what_the_document_quotes():
         v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
                    if group is None else float(acc[arm, sd].sel(group=group, loop=loop)) for sd in seeds)
         return f"{v[0]:.2f}-{v[-1]:.2f}"
-    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
-            if r[0] == "Initial-state injection is limited"]
+    head = conditioning_claim_rows_of("Initial-state injection is limited")
     assert len(head) == 2
     ci = f"{float(d.difference):+.3f} [{float(d.low):+.3f}, {float(d.high):+.3f}]"
     for row in head:
@@ -1200,8 +1199,7 @@ def test_channel_injection_and_its_cross_loop_response_hold_what_the_document_qu
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
     assert (f"{spans['I(channel)']} against dense's {spans['I(dense)']}, a ratio of {ratio}" in reading
             and f"minus plain {chi}" in reading)
-    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
-            if r[0] == "Initial-state injection is limited"]
+    head = conditioning_claim_rows_of("Initial-state injection is limited")
     seeds = " / ".join(f"{float(v):+.3f}" for v in ch.per_seed.values)
     for row in head:
         assert (f"minus plain {chi} (seeds {seeds}); its cross-loop response over dense's {ratio} (mean C over lags "
@@ -1214,8 +1212,7 @@ def test_reasoning_under_injection_holds_what_the_document_quotes():
     """'Reasoning was largely insensitive to all inject* variants': each variant's reasoning minus plain's, as quoted."""
     s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
-    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
-            if r[0] == "Initial-state injection is limited"]
+    head = conditioning_claim_rows_of("Initial-state injection is limited")
     ci = {}
     for name, word in (("reasoning_dense", "dense"), ("reasoning_channel", "channel-wise")):
         r = s.sel(comparison=name)
@@ -1252,8 +1249,7 @@ def test_scalar_injection_on_the_cpu_holds_what_the_document_quotes():
     assert (f"overall {span('I(scalar)', K)} at K, {span('I(scalar)', 2 * K)} at 2K and {span('I(scalar)', 3 * K)} at "
             f"3K against plain's {span('plain', K)}, {span('plain', 2 * K)} and {span('plain', 3 * K)}") in reading
     assert f"minus plain over 2K and 3K {ci(sc)} (seeds {seeds})" in reading and f"reasoning alone {ci(rs)}" in reading
-    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
-            if r[0] == "Initial-state injection is limited"]
+    head = conditioning_claim_rows_of("Initial-state injection is limited")
     assert len(head) == 2
     for row in head:
         assert f"scalar I, three seeds on the CPU (same profile): minus plain {ci(sc)} (seeds {seeds})" in row[2]
@@ -1475,6 +1471,18 @@ def test_dense_history_w4_at_k4_is_the_w2_model_and_the_document_says_so():
             in (DOCS.parent / "README.md").read_text())
 
 
+def conditioning_claim_rows_of(claim: str) -> list[list[str]]:
+    """Return the rows of `claim` in the headline and in the conditioning section's table."""
+    text = (DOCS / "findings.md").read_text()
+    return [r for r in headline_rows() + table_rows(text, "<!-- /findings:conditioning -->") if r[0] == claim]
+
+
+def overall_span(acc, arm: str, loop: int, seeds=(0, 1, 2)) -> str:
+    """Return the lowest-highest overall accuracy (knowledge and reasoning averaged) of an arm's seeds at a loop."""
+    v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop)) for sd in seeds)
+    return f"{v[0]:.2f}-{v[-1]:.2f}"
+
+
 def quoted_comparison(c) -> tuple[str, str, str]:
     """Return a seed comparison as findings.md quotes it: mean [95% t], per-seed values, Bonferroni interval."""
     return (f"{float(c.difference):+.3f} [{float(c.low):+.3f}, {float(c.high):+.3f}]",
@@ -1491,9 +1499,7 @@ def test_h_lg_against_i_h_holds_what_the_document_quotes():
     assert sorted(sd for a, sd in acc if a == "I+H") == [0, 1, 2]
 
     def span(arm, loop):
-        v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
-                   for sd in (0, 1, 2))
-        return f"{v[0]:.2f}-{v[-1]:.2f}"
+        return overall_span(acc, arm, loop)
     at = (2, K, 2 * K, 3 * K)
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
     assert ("**I+H against H+LG, three seeds**" in reading
@@ -1509,8 +1515,7 @@ def test_h_lg_against_i_h_holds_what_the_document_quotes():
     assert not {"hlg_over_ilg", "hlg_over_ihlg"} & set(s.comparison.values.tolist())  # under three seeds: no row
     lg = [round(float(acc["I+LG", 0].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=x)), 2) for x in at[1:]]
     assert f"I+LG seed 0 has run: overall {lg[0]:.2f} at K, {lg[1]:.2f} at 2K, {lg[2]:.2f} at 3K" in reading
-    rows = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
-            if r[0] == "History-state and timestep conditioning are the strongest pair"]
+    rows = conditioning_claim_rows_of("History-state and timestep conditioning are the strongest pair")
     assert len(rows) == 2
     for row in rows:
         assert f"H+LG minus I+H on the same statistic {ci}" in row[2]
@@ -1532,9 +1537,7 @@ def test_dense_history_windows_hold_what_the_document_quotes():
     assert sorted(sd for a, sd in acc if a == w2) == [0, 1, 2]
 
     def span(arm, loop):
-        v = sorted(float(acc[arm, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=loop))
-                   for sd in (0, 1, 2))
-        return f"{v[0]:.2f}-{v[-1]:.2f}"
+        return overall_span(acc, arm, loop)
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
     at = (K, int(1.5 * K), 2 * K, 3 * K)
     assert ("**Dense history at w = 2, three seeds**" in reading
@@ -1546,8 +1549,7 @@ def test_dense_history_windows_hold_what_the_document_quotes():
     assert (w.per_seed < 0).all()  # "lower in every seed"
     ci, per_seed, corrected = quoted_comparison(w)
     assert f"w = 2 minus w = 1 over 2K and 3K {ci} (seeds {per_seed}; Bonferroni {corrected})" in reading
-    head = [r for r in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->")
-            if r[0] == "History-state injection rescues deep extrapolation"]
+    head = conditioning_claim_rows_of("History-state injection rescues deep extrapolation")
     assert len(head) == 2
     for row in head:
         assert f"dense w = 2, three seeds (the dense_windows profile): overall over 2K and 3K minus w = 1 {ci}" in row[2]

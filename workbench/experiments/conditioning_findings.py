@@ -63,6 +63,7 @@ import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
 from ..stats import claim_variables, correct_family, seed_interval, verdict
+from ..train.config import history_reach
 
 # (family, comparison, arm a, arm b or "", statistic, the paper's sign; 0: no direction claimed)
 COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - reasoning(K)", +1),
@@ -144,7 +145,7 @@ def reached_window(arm: str, K: int) -> int | None:
     if not arm.startswith("H") and "+H" not in arm:
         return None
     w = int(arm.split("w=")[1].split(")")[0]) if "w=" in arm else 1
-    return min(w, max(K - 2, 0))
+    return min(w, history_reach(K))
 
 
 def _same_model(a: str, b: str, K: int) -> bool:

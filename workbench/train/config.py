@@ -162,6 +162,11 @@ def max_train_loops(tc: TrainConfig, K: int) -> int | None:
     return tc.loop_max
 
 
+def history_reach(loops: int) -> int:
+    """Return the most history lags an r-loop pass uses: loop t (0-based) sees min(w, t - 1) past states (SPEC §1)."""
+    return max(loops - 2, 0)
+
+
 def check_history_trains(cfg: LoopConfig, tc: TrainConfig) -> None:
     """Return None if every history lag of a model trained from scratch under tc can receive a gradient; else fail.
 
@@ -170,11 +175,11 @@ def check_history_trains(cfg: LoopConfig, tc: TrainConfig) -> None:
     bit (docs/findings.md, dense history windows), and a comparison of the two measures nothing.
     """
     r = max_train_loops(tc, cfg.loops)
-    if cfg.history and r is not None and cfg.history > max(r - 2, 0):
-        reach = f"<= {r - 2}" if r > 2 else "0"
+    if cfg.history and r is not None and cfg.history > history_reach(r):
+        reach = f"<= {history_reach(r)}" if history_reach(r) else "0"
         fail("LoopConfig.history", cfg.history,
              f"must be {reach} when training runs at most {r} loops: loop t sees min(w, t - 1) past states, "
-             f"so lags above {max(r - 2, 0)} would never get a gradient and stay zero; lower history or train "
+             f"so lags above {history_reach(r)} would never get a gradient and stay zero; lower history or train "
              f"with more loops (loops >= {cfg.history + 2})")
 
 
