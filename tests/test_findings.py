@@ -859,6 +859,8 @@ def test_committed_phi_ladder_holds_the_numbers_the_document_quotes():
     phis = {int(r): s.phi.sel(loops=r).values.ravel() for r in s.loops.values}
     below_one = holm([seed_interval(1 - v).p for v in phis.values()])
     assert [r for r, p in zip(phis, below_one) if p < 0.05] == [4]  # "φ < 1 holds at r = 4 only"
+    assert s.attrs["comparisons"] == 3 and s.p_holm.values.ravel() == pytest.approx(below_one)
+    assert [int(r) for r in s.loops.values if s.verdict.sel(loops=r).item() == "replicates"] == [4]
     c = simultaneous(phis[4], 3)
     assert f"[{c.low:.2f}, {c.high:.2f}]" in text and c.high < 1
     assert all(simultaneous(phis[r], 3).high > 1 for r in (2, 8))

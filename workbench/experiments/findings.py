@@ -632,19 +632,40 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
         for j, suffix in enumerate(("mean", "low", "high")):
             out[f"{name}_{suffix}"] = (dims, stats[..., j])
     out["identified"] = ("cell", out.slope_high.values < 0)
+    # one family, fixed by the design before its runs: phi < 1 (a loop worth less than a distinct block, the
+    # paper's direction) at every looped r of every cell, Holm over all of them; a cell whose ladder shows no
+    # capacity effect, or an r with under 3 finite seeds, stays in the family as p = 1 (no verdict there)
+    from ..stats import correct_family
+    rows = []
+    for ci in range(len(cells)):
+        for li in range(len(looped)):
+            v = phi[ci, li][np.isfinite(phi[ci, li])]
+            if out.identified.values[ci] and v.size >= 3:
+                rows.append({"at": (ci, li), "values": 1 - v, "ci": seed_interval(1 - v), "sign": 1})
+    correct_family(rows, len(cells) * len(looped))
+    p_holm = np.full((len(cells), len(looped)), 1.0)
+    verdicts = np.full((len(cells), len(looped)), "not identified", dtype=object)
+    for r in rows:
+        p_holm[r["at"]], verdicts[r["at"]] = r["p_holm"], r["verdict"]
+    out["p_holm"] = (("cell", "loops"), p_holm, {"long_name": "Holm-adjusted p of phi < 1 over every (cell, r)"})
+    out["verdict"] = (("cell", "loops"), verdicts.astype(str))
     out.attrs = {"interval": "95% Student t over seeds (phi per seed from that seed's ladder)",
-                 "ladder_fit": "loss = a + slope * ln(N_once + N_rec) over the non-looped runs of a cell and seed"}
+                 "ladder_fit": "loss = a + slope * ln(N_once + N_rec) over the non-looped runs of a cell and seed",
+                 "comparisons": len(cells) * len(looped),
+                 "family": "phi < 1 at each looped r of each cell (1 - phi > 0 over seeds), Holm over all of them"}
     return out
 
 
 def phi_ladder_rows(summary: xr.Dataset) -> list[str]:
-    """Return docs/findings.md's rows for a phi_ladder summary: cell, ladder slope, and phi per loop count (or why none)."""
+    """Return docs/findings.md's rows for a phi_ladder summary: cell, ladder slope, and phi per loop count with the
+    verdict on phi < 1 after Holm over the summary's family (or why none)."""
     out = []
     for c in summary.cell.values:
         s = summary.sel(cell=c)
         slope = fmt(float(s.slope_mean), float(s.slope_low), float(s.slope_high), 3)
         if bool(s.identified):
             phis = "; ".join(f"r = {int(r)}: {fmt(float(s.phi_mean.sel(loops=r)), float(s.phi_low.sel(loops=r)), float(s.phi_high.sel(loops=r)))}"
+                             + (f", φ < 1 {s.verdict.sel(loops=r).item()}" if "verdict" in s else "")
                              for r in s.loops.values)
         else:
             phis = "not identifiable: the ladder's slope interval holds 0 (no capacity effect in this cell)"
