@@ -866,6 +866,49 @@ def test_committed_phi_ladder_holds_the_numbers_the_document_quotes():
     assert all(simultaneous(phis[r], 3).high > 1 for r in (2, 8))
 
 
+
+def test_the_phi_ladder_laptop_profile_holds_the_numbers_the_document_quotes():
+    """The ladder at 1000 and 3000 steps: its summary is what the runs give, the rows and the reading's numbers."""
+    from workbench.experiments.findings import phi_ladder, phi_ladder_rows
+    from workbench.stats import simultaneous
+
+    s = xr.load_dataset(DOCS / "findings" / "phi_ladder_laptop" / "summary.nc", engine="h5netcdf")
+    assert phi_ladder_rows(phi_ladder(DOCS / "findings", pipeline="phi_ladder_laptop")) == phi_ladder_rows(s)
+    text = (DOCS / "findings.md").read_text()
+    for row in phi_ladder_rows(s):
+        assert row in text, row
+    reading = " ".join(text.split("\n### The ladder at two more token budgets", 1)[1].split("\n## ", 1)[0].split())
+    one = xr.load_dataset(DOCS / "findings" / "phi_ladder" / "summary.nc", engine="h5netcdf")
+    assert s.identified.values.all() and s.attrs["comparisons"] == 6 and s.sizes["seed"] == 3
+    slopes = [float(x.slope_mean.item()) for x in (s.sel(cell="d32 1000 steps"), one, s.sel(cell="d32 3000 steps"))]
+    assert slopes[0] > slopes[1] > slopes[2]  # "it grows with the token budget"
+    assert "slope {:+.3f} at 1000 steps, {:+.3f} at 2000 in the one-cell profile, {:+.3f} at 3000".format(
+        *slopes).replace("+", "") in reading
+    finite = s.phi_mean.values[np.isfinite(s.phi_mean.values)]
+    assert f"from {finite.min():.2f} to {finite.max():.2f}" in reading
+    assert f"equivalent sizes {s.n_eq.min().item() / 1e3:.0f}-{s.n_eq.max().item() / 1e3:.0f} k" in reading
+    v = s.sel(cell="d32 3000 steps", loops=4)
+    c = simultaneous(v.phi.values, 6)
+    assert v.verdict.item() == "replicates" and (
+        f"0.12 [{v.phi_low.item():.2f}, {v.phi_high.item():.2f}], seeds {' / '.join(f'{x:.2f}' for x in v.phi.values)}; "
+        f"Bonferroni over 6 [{c.low:.2f}, {c.high:.2f}], Holm p {v.p_holm.item():.3f}") in reading
+    verdicts = [str(x) for x in s.verdict.values.ravel()]
+    assert verdicts.count("replicates") == 1 and verdicts.count("inconclusive") == 4  # "the other four"
+    assert s.verdict.sel(cell="d32 1000 steps", loops=8).item().startswith("no verdict")
+    assert int(np.isnan(s.phi.sel(cell="d32 1000 steps", loops=8)).sum()) == 1  # "one seed has no φ"
+    # "φ < 1 holds at r = 4 in 2 of 3 cells ... in no cell at r = 2 or 8"
+    held = [(c_, int(r)) for ds in (s, one) for c_ in ds.cell.values for r in ds.loops.values
+            if ds.verdict.sel(cell=c_, loops=r).item() == "replicates"]
+    assert sorted(held) == [("d32 2000 steps", 4), ("d32 3000 steps", 4)]
+    # "the paper's 0.46 lies outside the 95% interval at r = 4 in the two larger cells"
+    for ds, cell in ((one, "d32 2000 steps"), (s, "d32 3000 steps")):
+        x = ds.sel(cell=cell, loops=4)
+        assert not x.phi_low.item() <= 0.46 <= x.phi_high.item()
+    for rec in (DOCS / "findings" / "phi_ladder_laptop" / "train").glob("*/results.nc"):
+        attrs = run_file(rec)["attrs"]
+        assert attrs["git_commit"].startswith("02ceeb2") and attrs["precision"] == "fp32"
+
+
 def summary_is_quoted(name: str, compute, rows):
     """Return the committed summary docs/findings/<name> and findings.md's text, after checking the summary is what
     compute() gives from the committed runs and that every row rows(summary) writes is quoted in the document."""

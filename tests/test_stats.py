@@ -521,3 +521,24 @@ def test_under_geometry_claims_average_the_loops_below_k_and_pair_per_seed(tmp_p
     assert (c.verdict == "opposite").all()  # the paper's sign is negative: the coda-only model should move less
     with pytest.raises(ValueError, match="first_loop=4 is invalid"):
         af.under_geometry_claims(tmp_path, first_loop=4)
+
+
+def test_phi_ladder_gives_no_verdict_where_a_seed_has_no_phi(tmp_path):
+    """A looped model worse than its own unique layers alone has no phi (N_eq <= N_once): with 2 finite seeds of 3
+    that loop count gets no verdict, and it still counts in the family's Holm."""
+    from workbench.experiments.findings import phi_ladder, phi_ladder_rows
+
+    rng = np.random.default_rng(7)
+    for s in range(3):
+        for core, loops in [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (2, 4), (1, 8)]:
+            loss = 8.0 - 0.3 * np.log(2000.0 + loops ** 0.5 * core * 1000.0) + rng.normal(0, 0.001)
+            if s == 2 and loops == 8:
+                loss = 8.0  # far above the ladder at N_once: below its unique layers
+            plant_phi_run(tmp_path, f"{s}{core}{loops}", {"d_model": 32, "steps": 100, "seed": s, "core": core,
+                                                           "loops": loops}, loss, 2000.0, core * 1000.0)
+    out = phi_ladder(tmp_path)
+    assert np.isnan(out.phi.sel(loops=8, seed=2)).all() and bool(out.identified.item())
+    assert out.verdict.sel(loops=8).item() == "no verdict: φ undefined in a seed"
+    assert out.p_holm.sel(loops=8).item() == 1.0 and out.attrs["comparisons"] == 3
+    assert (out.verdict.sel(loops=[2, 4]) == "replicates").all()
+    assert "r = 8: " in phi_ladder_rows(out)[0] and "φ < 1 no verdict: φ undefined in a seed" in phi_ladder_rows(out)[0]

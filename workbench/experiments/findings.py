@@ -645,6 +645,9 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
     correct_family(rows, len(cells) * len(looped))
     p_holm = np.full((len(cells), len(looped)), 1.0)
     verdicts = np.full((len(cells), len(looped)), "not identified", dtype=object)
+    # phi is undefined (NaN) in a seed whose looped model scores below its own unique layers alone
+    # (N_eq <= N_once, phi -> -inf): with under 3 finite seeds there is no t interval, so no verdict
+    verdicts[out.identified.values[:, None] & (np.isfinite(phi).sum(-1) < 3)] = "no verdict: φ undefined in a seed"
     for r in rows:
         p_holm[r["at"]], verdicts[r["at"]] = r["p_holm"], r["verdict"]
     out["p_holm"] = (("cell", "loops"), p_holm, {"long_name": "Holm-adjusted p of phi < 1 over every (cell, r)"})
