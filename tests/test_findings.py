@@ -1547,7 +1547,7 @@ def test_h_lg_against_i_h_holds_what_the_document_quotes():
         return overall_span(acc, arm, loop)
     at = (2, K, 2 * K, 3 * K)
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
-    assert ("**I+H against H+LG, three seeds**" in reading
+    assert ("**H+LG against I+H, I+LG and I+H+LG, three seeds each**" in reading
             and f"overall {span('I+H', at[0])} at r = 2, {span('I+H', at[1])} at K, {span('I+H', at[2])} at 2K and "
                 f"{span('I+H', at[3])} at 3K against the same seeds of H+LG's {', '.join(span('H+LG', x) for x in at[:3])} "
                 f"and {span('H+LG', at[3])}, close to plain's ({', '.join(span('plain', x) for x in at)};" in reading)
