@@ -53,6 +53,26 @@ def pytest_configure(config):
         config.option.continue_on_collection_errors = True
 
 
+def machine_line() -> str:
+    """Return one line naming this machine's CPU, cores, bf16 flags and torch: what a suite time depends on."""
+    import torch
+
+    from workbench.models.precision import BF16_CPU_FLAGS, cpu_flags, read_cpuinfo
+
+    model = next((line.partition(":")[2].strip() for line in read_cpuinfo().splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    flags = sorted(cpu_flags() & set(BF16_CPU_FLAGS))
+    return (f"machine: {model}, {len(os.sched_getaffinity(0))} cores, bf16 flags: "
+            f"{' '.join(flags) if flags else 'neither amx_bf16 nor avx512_bf16 (auto precision is fp32)'}, "
+            f"torch {torch.__version__}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Return None after writing the machine line under the results, so every recorded suite time has its CPU kind
+    beside it (issue 26's targets differ by CPU kind; CI keeps only this output)."""
+    terminalreporter.write_line(machine_line())
+
+
 def _check_loadgroup() -> None:
     """Return None if this pytest / pytest-xdist pair honours --dist loadgroup's xdist_group; else stop the run."""
     import xdist

@@ -354,3 +354,15 @@ def test_on_a_terminal_the_status_line_is_redrawn_and_log_lines_print_below_it(t
     live.finished(job.key)
     live.stop()
     assert screen.getvalue().endswith("\r\x1b[K")  # nothing left on the line
+
+
+def test_the_suite_names_the_machine_its_time_was_measured_on():
+    """conftest's summary line names the CPU's bf16 flags as cpu_flags reads them, its cores and torch."""
+    from conftest import machine_line
+    from workbench.models.precision import BF16_CPU_FLAGS, cpu_flags
+
+    line = machine_line()
+    flags = cpu_flags() & set(BF16_CPU_FLAGS)
+    assert line.startswith("machine: ") and f"{len(os.sched_getaffinity(0))} cores" in line
+    assert all(f in line for f in flags) and (("neither" in line) == (not flags))
+    assert torch.__version__ in line
