@@ -1627,3 +1627,29 @@ def test_dense_history_windows_hold_what_the_document_quotes():
     for key in ("af5e6f5597dfd57c", "e18298c47ea32f3f", "ef68494967ce126d"):  # dense H w = 2 seeds 0-2
         attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
         assert attrs["git_commit"].startswith("5cb42d7") and attrs["precision"] == "fp32" and "`5cb42d7`" in reading
+
+
+def test_the_loop_gate_alone_holds_what_the_document_quotes():
+    """LG alone (component_seeds, three seeds): LG minus plain at 2K and H+LG minus LG as the reading quotes them."""
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    assert sorted(sd for a, sd in acc if a == "LG") == [0, 1, 2]
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    at = (1, 2, K, 2 * K, 3 * K)
+    assert (f"overall {overall_span(acc, 'LG', 1)} at r = 1, {overall_span(acc, 'LG', 2)} at r = 2, "
+            f"{overall_span(acc, 'LG', K)} at K, {overall_span(acc, 'LG', 2 * K)} at 2K and "
+            f"{overall_span(acc, 'LG', 3 * K)} at 3K, against the same seeds of plain's "
+            f"{', '.join(overall_span(acc, 'plain', x) for x in at[:4])} and {overall_span(acc, 'plain', 3 * K)}"
+            in reading)
+    lg, hl = s.sel(comparison="lg"), s.sel(comparison="hlg_over_lg")
+    assert lg.verdict.item() == "no direction" and (lg.per_seed < 0).all()
+    ci, per_seed, _ = quoted_comparison(lg)
+    assert f"LG minus plain at 2K is {ci} (seeds {per_seed})" in reading
+    assert hl.verdict.item() == "replicates" and int(hl.family_size) == 2 and int(hl.seeds) == 3
+    ci, per_seed, corrected = quoted_comparison(hl)
+    assert f"H+LG minus LG is {ci} (seeds {per_seed}; Bonferroni {corrected}, Holm over 2" in reading
+    for key in ("5f8269a38de08d5b", "4d6a078c974f8c2e", "b12a36b894ad3e91"):  # LG seeds 0-2
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("02ceeb2") and attrs["precision"] == "fp32"
