@@ -1557,22 +1557,18 @@ def test_h_lg_against_i_h_holds_what_the_document_quotes():
     ci, per_seed, corrected = quoted_comparison(c)
     assert f"H+LG minus I+H is {ci} (seeds {per_seed}; Bonferroni {corrected})" in reading
     assert "family `combinations`: 3 of 3" in reading and "comparison" in s.dims
-    assert sorted(sd for a, sd in acc if a == "I+LG") == [0, 1, 2]
-    g = s.sel(comparison="hlg_over_ilg")
-    assert int(g.seeds) == 3 and int(g.family_size) == 3 and g.verdict.item() == "inconclusive"
-    assert (g.per_seed > 0).all()  # "above I+LG in every seed"
-    gci, gper_seed, gcorrected = quoted_comparison(g)
-    assert f"H+LG minus I+LG is {gci} (seeds {gper_seed}; Bonferroni {gcorrected})" in reading
-    assert (f"overall {span('I+LG', 1)} at r = 1, {span('I+LG', 2)} at r = 2, {span('I+LG', K)} at K, "
-            f"{span('I+LG', 2 * K)} at 2K and {span('I+LG', 3 * K)} at 3K, falling away" in reading)
-    assert sorted(sd for a, sd in acc if a == "I+H+LG") == [0, 1, 2]
-    h = s.sel(comparison="hlg_over_ihlg")
-    assert int(h.seeds) == 3 and int(h.family_size) == 3 and h.verdict.item() == "inconclusive"
-    assert (h.per_seed > 0).all()  # "above the three-way combination in every seed"
-    hci, hper_seed, hcorrected = quoted_comparison(h)
-    assert f"H+LG minus I+H+LG is {hci} (seeds {hper_seed}; Bonferroni {hcorrected})" in reading
-    assert (f"overall {span('I+H+LG', 1)} at r = 1, {span('I+H+LG', 2)} at r = 2, {span('I+H+LG', K)} at K, "
-            f"{span('I+H+LG', 2 * K)} at 2K and {span('I+H+LG', 3 * K)} at 3K, the shape" in reading)
+    quoted = {}
+    # both arms with the gate: three seeds, H+LG above them in every seed, inconclusive; the reading gives each span
+    for arm, name, then in (("I+LG", "hlg_over_ilg", "falling away"), ("I+H+LG", "hlg_over_ihlg", "the shape")):
+        assert sorted(sd for a, sd in acc if a == arm) == [0, 1, 2]
+        x = s.sel(comparison=name)
+        assert int(x.seeds) == 3 and int(x.family_size) == 3 and x.verdict.item() == "inconclusive"
+        assert (x.per_seed > 0).all()  # "above ... in every seed"
+        quoted[arm], xper_seed, xcorrected = quoted_comparison(x)
+        assert f"H+LG minus {arm} is {quoted[arm]} (seeds {xper_seed}; Bonferroni {xcorrected})" in reading
+        assert (f"overall {span(arm, 1)} at r = 1, {span(arm, 2)} at r = 2, {span(arm, K)} at K, "
+                f"{span(arm, 2 * K)} at 2K and {span(arm, 3 * K)} at 3K, {then}" in reading)
+    gci, hci = quoted["I+LG"], quoted["I+H+LG"]
     assert not (s.sel(comparison=["hlg_over_ih", "hlg_over_ilg", "hlg_over_ihlg"]).verdict != "inconclusive").any()
     rows = conditioning_claim_rows_of("History-state and timestep conditioning are the strongest pair")
     assert len(rows) == 2
