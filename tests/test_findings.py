@@ -1528,6 +1528,12 @@ def overall_span(acc, arm: str, loop: int, seeds=(0, 1, 2)) -> str:
     return f"{v[0]:.2f}-{v[-1]:.2f}"
 
 
+def span_of(acc, arm: str, loop: int, group: str, seeds=(0, 1, 2)) -> str:
+    """Return the lowest-highest accuracy on one task group of an arm's seeds at a loop."""
+    v = sorted(float(acc[arm, sd].sel(group=group, loop=loop)) for sd in seeds)
+    return f"{v[0]:.2f}-{v[-1]:.2f}"
+
+
 def quoted_comparison(c) -> tuple[str, str, str]:
     """Return a seed comparison as findings.md quotes it: mean [95% t], per-seed values, Bonferroni interval."""
     return (f"{float(c.difference):+.3f} [{float(c.low):+.3f}, {float(c.high):+.3f}]",
@@ -1643,6 +1649,21 @@ def test_the_loop_gate_alone_holds_what_the_document_quotes():
     assert lg.verdict.item() == "no direction" and (lg.per_seed < 0).all()
     ci, per_seed, _ = quoted_comparison(lg)
     assert f"LG minus plain at 2K is {ci} (seeds {per_seed})" in reading
+    rows = conditioning_claim_rows_of("Timestep conditioning helps, depending on the architecture")
+    assert len(rows) == 2  # the headline and the conditioning section's row
+    spans = {g: (span_of(acc, "LG", 2 * K, g), span_of(acc, "plain", 2 * K, g)) for g in ("reasoning", "knowledge")}
+    for row in rows:
+        assert f"overall at 2K: {ci} (seeds {per_seed}); overall {overall_span(acc, 'LG', K)} at K" in row[2]
+        assert (f"reasoning at 2K {spans['reasoning'][0]} against {spans['reasoning'][1]}, knowledge "
+                f"{spans['knowledge'][0]} against {spans['knowledge'][1]}" in row[2])
+        assert row[3].startswith("no verdict (3 seeds, 1 comparison)") and "`02ceeb2`" in row[2]
+    # "reasoning most": the gate's reasoning falls further below plain's than its knowledge does, in every seed
+    for sd in (0, 1, 2):
+        gap = {g: float(acc["plain", sd].sel(group=g, loop=2 * K) - acc["LG", sd].sel(group=g, loop=2 * K))
+               for g in ("reasoning", "knowledge")}
+        assert gap["reasoning"] > gap["knowledge"] > 0
+    assert (f"LG minus plain {ci} overall at 2K, below plain in every seed, reasoning most |"
+            in (DOCS.parent / "README.md").read_text())
     assert hl.verdict.item() == "replicates" and int(hl.family_size) == 2 and int(hl.seeds) == 3
     ci, per_seed, corrected = quoted_comparison(hl)
     assert f"H+LG minus LG is {ci} (seeds {per_seed}; Bonferroni {corrected}, Holm over 2" in reading
