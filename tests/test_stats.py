@@ -312,6 +312,22 @@ def test_dense_history_windows_are_their_own_arms_and_family(tmp_path):
         assert c.verdict.values.tolist() == ["replicates", "replicates" if K == 6 else SAME_MODEL]
 
 
+def test_the_hlg_checkpoints_profile_trains_the_seeds_profiles_h_lg_runs_again(tmp_path):
+    """Its three runs have exactly the parameters of the seeds profile's H+LG runs, seed for seed."""
+    from workbench.experiments.conditioning_findings import arm_of
+    from workbench.experiments.runs import train_notebook_args
+    from workbench.pipeline.keys import expand
+    from workbench.pipeline.spec import load_spec
+
+    def params(profile):
+        jobs = [j for j in expand(load_spec("conditioning", profile), tmp_path / profile) if j.step == "train"]
+        return {j.params["seed"]: j.params for j in jobs
+                if arm_of(train_notebook_args(**j.params)["model"]) == "H+LG"}, len(jobs)
+    again, n = params("hlg_checkpoints")
+    first, _ = params("seeds")
+    assert n == 3 and sorted(again) == [0, 1, 2] and again == first
+
+
 def test_h_lg_is_read_against_its_two_parts_and_the_loop_gate_against_plain(tmp_path):
     from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
     from workbench.experiments.runs import train_notebook_args
@@ -379,6 +395,18 @@ def test_the_combinations_are_named_as_the_paper_and_ranked_below_h_lg_per_seed(
     assert (c.family_size.sel(comparison=["interaction_ih", "interaction_ilg"]) == 2).all()
     # H+LG above I+H and I+LG in every seed replicates; level with I+H+LG does not
     assert c.verdict.values.tolist()[:3] == ["replicates", "replicates", "inconclusive"]
+    # initial-state conditioning lowers H+LG's interaction over lags 2..K-1 by 7.4% (the paper's D = 56) in every
+    # seed, and raises it at lag 1 (which the family leaves out): the family reads lags 2-3 at K = 4 alone
+    by_lag = {"H+LG": [1.0, 0.4, 0.2, 0.1], "I+H+LG": [1.0, 0.6, 0.2 * 0.926, 0.1 * 0.926]}
+    wobble = np.exp(rng.normal(0, 0.002, 3))
+    rows = [np.array(by_lag[a]) * (wobble[sd] if a == "I+H+LG" else 1.0) for a in by_lag for sd in range(3)]
+    inter = xr.Dataset({"interaction_by_lag": (("run", "lag"), rows),
+                        "cross_loop": ("run", [np.mean(x[1:]) for x in rows])},
+                       coords={"arm": ("run", ["H+LG"] * 3 + ["I+H+LG"] * 3), "train_seed": ("run", [0, 1, 2] * 2),
+                               "lag": [0, 1, 2, 3]})
+    x = conditioning_claims(tmp_path, interaction=inter).sel(comparison="interaction_ihlg")
+    assert x.family.item() == "initial_interaction" and int(x.family_size) == 1 and int(x.seeds) == 3
+    assert float(x.difference) == pytest.approx(np.log(0.926), abs=0.005) and x.verdict.item() == "replicates"
 
 
 def test_conditioning_reasoning_pools_the_trained_depths_with_those_past_them_by_count():
@@ -462,6 +490,7 @@ def test_the_interaction_family_compares_log_cross_loop_response_per_seed(tmp_pa
     assert float(x.difference) == pytest.approx(np.log(7), abs=0.1) and x.verdict.item() == "replicates"
     assert np.allclose(x.per_seed.values, np.log(channel / dense))
     assert "cross_loop" not in conditioning_claims(tmp_path).comparison.values  # no interaction given: no row
+    assert "interaction_ihlg" not in c.comparison.values  # neither arm probed
     row = [r for r in conditioning_claim_rows(c) if "| cross_loop |" in r][0]
     assert row.startswith("| interaction | cross_loop | I(channel) - I(dense): log of mean C at each loop lag") and row.endswith("| replicates |")
 
