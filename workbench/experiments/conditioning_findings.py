@@ -208,7 +208,7 @@ def conditioning_claims(runs_dir: str | os.PathLike, pipeline: str = "conditioni
     """Return one row per comparison whose arms have 2 or more seeds (dim `comparison`): the mean over seeds of the
     per-seed difference, its 95% t interval and p, Holm p and Bonferroni interval within the family, the verdict
     ("no direction" for the injection variants the paper calls negligible), and `per_seed` [comparison, seed].
-    With `interaction` (`interaction_by_run`'s Dataset) the family `interaction` is read from it too."""
+    With `interaction` (`interaction_by_run`'s Dataset) the interaction families are read from it too."""
     acc, K = _accuracy(runs_dir, pipeline)
     cross = {1: {} if interaction is None else {
         (str(a), int(sd)): float(np.log(v)) for a, sd, v in
