@@ -644,13 +644,14 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
     verdicts = {r[0]: r[3] for r in rows}
     # the rows that meet the bar, each from 3 seeds with Holm in its family: allocation questions from the seeds
     # profile (in loss), BaseLoop's knowledge past K, dense injection's collapse, dense history's windows (w = 2
-    # below w = 1), the matched truncation profile's 4 primary pairs and two retrofit claims
+    # below w = 1), H+LG above LG (the weaker of its parts), the matched truncation profile's 4 primary pairs and two retrofit claims
     assert [c for c, v in verdicts.items() if "replicates" in v] == [
         "Coda layers lower the terminal-to-core response ratio (computational interaction)",
         "Loops of a shared block cost loss against distinct layers at matched training compute",
         "Past the training horizon recurrence improves reasoning and degrades knowledge",
         "Prelude-heavy allocations extrapolate better", "Convergence alone does not explain extrapolation",
         "Initial-state injection is limited", "History-state injection rescues deep extrapolation",
+        "History-state and timestep conditioning are the strongest pair",
         "Full BPTT through fewer loops beats truncation at matched compute",
         "The gradient truncation loses is set near the output",
         "Retrofitting recurrent depth into a pretrained model: one step per loop, kept after annealing; extrapolation "
@@ -1232,7 +1233,7 @@ def test_channel_injection_and_its_cross_loop_response_hold_what_the_document_qu
     acc, _ = _accuracy(DOCS / "findings", "conditioning_seeds")
     assert sorted(sd for a, sd in acc if a == "I(channel)") == [0, 1, 2]
     assert sorted(zip(inter.arm.values.tolist(), inter.train_seed.values.tolist())) == sorted(
-        [("I(channel)", sd) for sd in range(3)] + [("I(dense)", sd) for sd in range(3)])
+        (arm, sd) for arm in ("I(channel)", "I(dense)", "H+LG", "I+H", "I+LG", "I+H+LG") for sd in range(3))
     x, ch = s.sel(comparison="cross_loop"), s.sel(comparison="channel_injection")
     assert int(x.seeds) == 3 and int(x.family_size) == 1 and x.verdict.item() == "opposite"
     assert ch.verdict.item() == "no direction" and float(ch.low) < 0 < float(ch.high)  # "both intervals hold 0"
@@ -1670,3 +1671,111 @@ def test_the_loop_gate_alone_holds_what_the_document_quotes():
     for key in ("5f8269a38de08d5b", "4d6a078c974f8c2e", "b12a36b894ad3e91"):  # LG seeds 0-2
         attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
         assert attrs["git_commit"].startswith("02ceeb2") and attrs["precision"] == "fp32"
+
+
+def test_h_alone_against_h_lg_holds_what_the_document_quotes():
+    """H alone (component_seeds, three seeds) and family `components`: the reading, the rows and the README."""
+    from workbench.experiments.conditioning_findings import _accuracy, _statistic
+    from workbench.stats import seed_interval
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    assert sorted(sd for a, sd in acc if a == "H(channel)") == [0, 1, 2]
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    at = (1, 2, K, 2 * K, 3 * K)
+    assert (f"overall {overall_span(acc, 'H(channel)', 1)} at r = 1, {overall_span(acc, 'H(channel)', 2)} at r = 2, "
+            f"{overall_span(acc, 'H(channel)', K)} at K, {overall_span(acc, 'H(channel)', 2 * K)} at 2K and "
+            f"{overall_span(acc, 'H(channel)', 3 * K)} at 3K, against the same seeds of plain's "
+            f"{', '.join(overall_span(acc, 'plain', x) for x in at[:4])} and {overall_span(acc, 'plain', 3 * K)}"
+            in reading)
+    # "follows plain across r": overall over 2K and 3K minus plain, a t interval over seeds that holds 0
+    d = [_statistic(acc["H(channel)", sd], "dense_injection", K) - _statistic(acc["plain", sd], "dense_injection", K)
+         for sd in (0, 1, 2)]
+    ci = seed_interval(d)
+    assert ci.low < 0 < ci.high
+    assert (f"minus plain {ci.mean:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}], seeds "
+            f"{' / '.join(f'{v:+.3f}' for v in d)}; read after the runs, no verdict" in reading)
+    h, lg = s.sel(comparison="hlg_over_h"), s.sel(comparison="hlg_over_lg")
+    assert int(h.family_size) == 2 and int(h.seeds) == 3 and h.verdict.item() == "inconclusive"
+    assert (h.per_seed < 0).all() and float(h.high) < 0 < float(h.high_corrected)  # "the corrected interval reaches zero"
+    assert lg.verdict.item() == "replicates"
+    # H is the stronger part: above LG on the family's statistic in every seed
+    assert all(_statistic(acc["H(channel)", sd], "hlg", K) > _statistic(acc["LG", sd], "hlg", K) for sd in (0, 1, 2))
+    hci, hper, hcor = quoted_comparison(h)
+    lci = quoted_comparison(lg)[0]
+    assert f"H+LG minus H is {hci} (seeds {hper}; Bonferroni {hcor}), below H in every seed" in reading
+    assert "family `components`: 2 of 2" in reading
+    rows = conditioning_claim_rows_of("History-state and timestep conditioning are the strongest pair")
+    assert len(rows) == 2
+    for row in rows:
+        assert f"H+LG minus H (channel-wise history alone, w = 1) {hci}, H+LG minus LG {lci}" in row[2]
+        assert (f"H alone follows plain (overall {overall_span(acc, 'H(channel)', 2 * K)} at 2K against "
+                f"{overall_span(acc, 'plain', 2 * K)})" in row[2])
+        assert "above LG, the weaker part, replicates; below H, the stronger part here, in every seed, inconclusive" in row[3]
+    assert (f"| H+LG beats its stronger individual component (seeds/004) | not replicated (3 seeds, Holm over 2): below H "
+            f"alone, the stronger part here (it follows the plain loop), in every seed, {hci} overall, inconclusive; "
+            f"above LG, the weaker part, {lci}, replicates |" in (DOCS.parent / "README.md").read_text())
+    for key in ("618d0f88a7e49b86", "c22786be25fad63c", "b46ddac65319368e"):  # H seeds 0-2
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("02ceeb2") and attrs["precision"] == "fp32"
+
+
+def test_the_combinations_interaction_holds_what_the_document_quotes():
+    """Families `combination_interaction` and `initial_interaction` (H+LG retrained with checkpoints): reading, rows, README."""
+    import math
+
+    from workbench.experiments.conditioning_findings import _accuracy, _statistic
+    from workbench.stats import seed_interval
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    inter = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "interaction.nc", engine="h5netcdf")
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+
+    def ratio(c):
+        return f"{math.exp(float(c.difference)):.2f} [{math.exp(float(c.low)):.2f}, {math.exp(float(c.high)):.2f}]"
+    spans = {}
+    for arm in ("H+LG", "I+H", "I+LG", "I+H+LG"):
+        v = sorted(float(x) for x, a in zip(inter.cross_loop.values, inter.arm.values) if a == arm)
+        assert len(v) == 3
+        spans[arm] = f"{v[0]:.2f}-{v[-1]:.2f}"
+    assert (f"at r = K: H+LG {spans['H+LG']}, I+H {spans['I+H']}, I+LG {spans['I+LG']}, I+H+LG {spans['I+H+LG']}."
+            in reading)
+    assert min(spans.items(), key=lambda kv: kv[1])[0] == "I+H"  # "I+H, has the lowest response of the four"
+    ih, ilg, ihlg = (s.sel(comparison=n) for n in ("interaction_ih", "interaction_ilg", "interaction_ihlg"))
+    assert int(ih.family_size) == int(ilg.family_size) == 2 and int(ihlg.family_size) == 1
+    assert all(c.verdict.item() == "inconclusive" and int(c.seeds) == 3 for c in (ih, ilg, ihlg))
+    assert (ih.per_seed > 0).all() and (ilg.per_seed < 0).all() and (ihlg.per_seed > 0).all()  # "in every seed"
+    q = {n: quoted_comparison(c) for n, c in (("ih", ih), ("ilg", ilg), ("ihlg", ihlg))}
+    for n, c, text in (("ih", ih, "H+LG over I+H: log ratio"), ("ilg", ilg, "H+LG over I+LG:"),
+                       ("ihlg", ihlg, "I+H+LG over H+LG, lags 2-3:")):
+        ci, per_seed, cor = q[n]
+        tail = f"; Bonferroni {cor})" if n != "ihlg" else ")"
+        assert f"{text} {ci} (seeds {per_seed}{tail}, a ratio of {ratio(c)}" in reading, n
+    rows = conditioning_claim_rows_of("Computational interaction: H+LG interacts across loops more than I+H and I+LG; "
+                                      "initial-state conditioning lowers it")
+    assert len(rows) == 2
+    for row in rows:
+        assert (f"H+LG over I+H {ratio(ih)} times (log ratio {q['ih'][0]}), over I+LG {ratio(ilg)} (log ratio "
+                f"{q['ilg'][0]}); I+H+LG over H+LG, lags 2-3, {ratio(ihlg)} (log ratio {q['ihlg'][0]})" in row[2])
+        assert row[3].startswith("inconclusive (3 seeds, Holm over 2): above I+H in every seed, the paper's direction; "
+                                 "below I+LG in every seed, the opposite")
+    assert (f"| inconclusive (3 seeds, Holm over 2): {ratio(ih)} times I+H's, {ratio(ilg)} times I+LG's; adding "
+            f"initial-state conditioning raises it in every seed, {ratio(ihlg)} times (inconclusive, 1 comparison) |"
+            in (DOCS.parent / "README.md").read_text())
+    # the retrained H+LG: its run records, and how far it moved from the committed runs of the same seeds
+    new, K = _accuracy(DOCS / "findings", "conditioning_hlg_checkpoints")
+    old, _ = _accuracy(DOCS / "findings", "conditioning_seeds")
+    assert sorted(new) == [("H+LG", sd) for sd in (0, 1, 2)]
+    for key in ("159679dd496d2987", "9a3a5bbaca89ba17", "cd2425d73f44dac2"):
+        attrs = run_file(DOCS / "findings" / "conditioning_hlg_checkpoints" / "train" / key / "results.nc")["attrs"]
+        assert attrs["git_commit"].startswith("5ad99f6") and attrs["precision"] == "fp32"
+    moved = [_statistic(new["H+LG", sd], "hlg", K) - _statistic(old["H+LG", sd], "hlg", K) for sd in (0, 1, 2)]
+    assert f"the retrain is {' / '.join(f'{v:+.3f}' for v in moved)} above the committed run of the same seed" in reading
+    assert (f"(seed 0's overall at 2K {overall_span(new, 'H+LG', 2 * K, seeds=(0,)).split('-')[0]} against "
+            f"{overall_span(old, 'H+LG', 2 * K, seeds=(0,)).split('-')[0]})" in reading)
+    d = [_statistic(new["H+LG", sd], "hlg", K) - _statistic(old["plain", sd], "hlg", K) for sd in (0, 1, 2)]
+    ci = seed_interval(d)
+    assert sum(v < 0 for v in d) == 2  # "below plain in two seeds of three"
+    assert (f"the retrain minus plain is {ci.mean:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}] (seeds "
+            f"{' / '.join(f'{v:+.3f}' for v in d)}) against the committed {quoted_comparison(s.sel(comparison='hlg'))[0]}"
+            in reading)
