@@ -258,13 +258,16 @@ def test_example_batches_grade_each_loop_on_its_step():
 def test_a_tiny_looped_model_solves_iterated_steps_at_depth_4():
     """Per-loop supervision: loop t is graded on the state after step t (x + t*c mod 10).
 
-    The loss sits on a plateau (~0.8) until the model finds the rule, then falls to ~0.01 by step 450.
-    At lr 1e-2 the escape came late or not at all, depending on the thread count (accuracy 0.33 with
-    one thread); at lr 2e-2 every run measured on an AMX Xeon (seeds 0-3, one and two threads) escapes by
-    step ~400 and ends at accuracy 1.0. On a Xeon without AMX (fp32 kernels round differently) seed 0
-    stayed on the plateau (0.36 after 1000 steps at two threads) and seed 2 escaped at one thread only;
-    seed 1 escaped at both (1.00 and 0.995), so the test uses seed 1. fp32 pinned: bf16 "auto" depends
-    on the CPU's flags.
+    The loss sits on a plateau (~0.8) until the model finds the rule, then falls below 0.05 within about
+    150 steps. When it leaves the plateau depends on the CPU's rounding: a fixed 500-step cosine run at
+    lr 2e-2 solved it on an AMX Xeon for seeds 0-3, but on Xeons without AMX seed 0 stayed on the plateau
+    through 1,000 steps and seed 1 ended at accuracy 0.63 in CI. So the run trains at a constant lr 2e-2
+    with weight decay 0.1 (which shortens the plateau, as in grokking) until the mean loss of the last 50
+    steps is below 0.05, at most 1,500 steps, and the assertions are the same. Measured on a Xeon with
+    AVX512-BF16 and no AMX, one thread: seeds 0, 2, 3, 4 stopped at steps 550, 500, 450, 400 (accuracy
+    1.00, 1.00, 0.99, 0.97 at loop 4, 0.00 at loop 1) and seed 1 at 800 (1.00); seed 0 at two threads also
+    stopped at 550 (1.00).
+    fp32 pinned: bf16 "auto" depends on the CPU's flags.
     """
     from workbench.data.tasks import make_task
     from workbench.evals import loop_sweep
@@ -277,11 +280,14 @@ def test_a_tiny_looped_model_solves_iterated_steps_at_depth_4():
     train = make_task("iterated", 4000, depth=4, seed=0, rule="add")
     test = make_task("iterated", 200, depth=4, seed=1, rule="add")  # unseen draws
     cfg = LoopConfig(vocab_size=128, d_model=64, n_heads=4, prelude=1, core=1, coda=1, loops=4, max_seq_len=64)
-    tc = TrainConfig(steps=500, batch_size=64, seq_len=48, lr=2e-2, warmup=20, progress=False, seed=1, bf16="off",
-                     compile="off")
+    tc = TrainConfig(steps=1500, batch_size=64, seq_len=48, lr=2e-2, warmup=20, schedule="constant",
+                     weight_decay=0.1, progress=False, seed=0, bf16="off", compile="off")
     trainer = Trainer(cfg, tc, ExampleBatches(train, Bytes(), 64, 4, seed=0))
-    trainer.run()
+    losses = []
+    while trainer.step < tc.steps and not (len(losses) >= 50 and np.mean(losses[-50:]) < 0.05):
+        losses.append(trainer.train_step())
+    trainer.model.eval()
     ds = loop_sweep(trainer.model, test, [1, 4], tokenizer=Bytes(), progress=False)
     acc = ds.accuracy.sel(task="iterated", depth=4)
-    assert acc.sel(loop=4).item() >= 0.9, acc.values  # solved at the horizon
-    assert acc.sel(loop=1).item() <= 0.3, acc.values  # one loop holds only the first step, not the answer
+    assert acc.sel(loop=4).item() >= 0.9, (trainer.step, acc.values)  # solved at the horizon
+    assert acc.sel(loop=1).item() <= 0.3, (trainer.step, acc.values)  # one loop holds only the first step
