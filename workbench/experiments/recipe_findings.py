@@ -145,7 +145,7 @@ def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe"
 
 
 PAPER = {"installed": "one step per loop, kept when only final answers are graded",
-         "extrapolation": "held 70% through depth 18 of 12: 1.5 x K",
+         "extrapolation": "held 70% through depth 18, roughly 1.5 x its supervised depth",
          "overall": "84% against 72%", "beyond": "53% against 2.5% beyond depth 10",
          "speed": "7.6 times faster", "interference": "no continuation kept the installed mechanism"}
 
