@@ -283,10 +283,10 @@ def test_a_tiny_looped_model_solves_iterated_steps_at_depth_4():
     tc = TrainConfig(steps=1500, batch_size=64, seq_len=48, lr=2e-2, warmup=20, schedule="constant",
                      weight_decay=0.1, progress=False, seed=0, bf16="off", compile="off")
     trainer = Trainer(cfg, tc, ExampleBatches(train, Bytes(), 64, 4, seed=0))
-    losses = []
+    losses = trainer.metrics["loss"]  # train_step appends each step's loss
     while trainer.step < tc.steps and not (len(losses) >= 50 and np.mean(losses[-50:]) < 0.05):
-        losses.append(trainer.train_step())
-    trainer.model.eval()
+        trainer.train_step()
+    trainer.close()  # what run() does when it ends
     ds = loop_sweep(trainer.model, test, [1, 4], tokenizer=Bytes(), progress=False)
     acc = ds.accuracy.sel(task="iterated", depth=4)
     assert acc.sel(loop=4).item() >= 0.9, (trainer.step, acc.values)  # solved at the horizon
