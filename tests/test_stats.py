@@ -361,6 +361,44 @@ def test_h_lg_is_read_against_its_two_parts_and_the_loop_gate_against_plain(tmp_
     assert c.verdict.sel(comparison="lg").item() == "no direction" and int(c.family_size.sel(comparison="lg")) == 0
 
 
+def test_branch_gating_and_adaln_are_read_against_each_other_and_the_loop_gate_at_2k(tmp_path):
+    from workbench.experiments.conditioning_findings import arm_of, conditioning_claim_rows, conditioning_claims
+    from workbench.experiments.runs import train_notebook_args
+    from workbench.pipeline.keys import expand
+    from workbench.pipeline.spec import load_spec
+
+    # the profile's runs are the two schemes alone, three seeds each, named as the paper names them
+    jobs = [j for j in expand(load_spec("conditioning", "gating_seeds"), tmp_path / "x") if j.step == "train"]
+    named = sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
+    assert named == sorted((a, sd) for a in ("BG", "AdaLN") for sd in (0, 1, 2))
+    rng = np.random.default_rng(5)
+    k, r = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7]), np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
+    at_2k = np.array([0, 0, 0, 0, 1, 0])  # r = 8: the one loop count the family reads
+    # (knowledge, reasoning) shifts at 2K: BG ahead of AdaLN on reasoning, AdaLN ahead of BG on knowledge (as the
+    # paper), and AdaLN level with LG on knowledge, 0.2 above plain in overall (every shift at 2K alone)
+    arms = {"plain": ({}, 0.0, 0.0), "LG": ({"timestep": "loop_gate"}, 0.1, 0.0),
+            "BG": ({"timestep": "branch_gate"}, 0.0, 0.4), "AdaLN": ({"timestep": "adaln"}, 0.1, 0.1)}
+    for arm, (cfg, dk, dr) in arms.items():
+        for sd in range(3):
+            noise = rng.normal(0, 0.004, 6)
+            plant_conditioning_run(tmp_path, f"{arm}{sd}", cfg, sd, k + dk * at_2k + noise, r + dr * at_2k + noise)
+    c = conditioning_claims(tmp_path)
+    gating = ["bg_over_adaln", "bg_reasoning_over_adaln", "adaln_knowledge_over_bg", "adaln_knowledge_over_lg",
+              "lg_reasoning_over_adaln"]
+    assert c.comparison.values.tolist() == ["lg", "bg"] + gating
+    want = {"lg": 0.05, "bg": 0.2, "bg_over_adaln": 0.1, "bg_reasoning_over_adaln": 0.3,
+            "adaln_knowledge_over_bg": 0.1, "adaln_knowledge_over_lg": 0.0, "lg_reasoning_over_adaln": -0.1}
+    for name, d in want.items():
+        assert float(c.difference.sel(comparison=name)) == pytest.approx(d, abs=0.01), name
+    assert (c.family_size.sel(comparison=gating[:4]) == 4).all() and int(c.family_size.sel(comparison="bg")) == 0
+    assert c.verdict.sel(comparison=gating).values.tolist() == ["replicates", "replicates", "replicates",
+                                                                "inconclusive", "no direction"]
+    assert c.verdict.sel(comparison="bg").item() == "no direction"
+    row = conditioning_claim_rows(c)[c.comparison.values.tolist().index("adaln_knowledge_over_lg")]
+    assert row.startswith("| gating | adaln_knowledge_over_lg | AdaLN - LG: knowledge at 2K | ")
+    assert row.endswith('| "AdaLN better preserved Knowledge." | inconclusive |')
+
+
 def test_the_combinations_are_named_as_the_paper_and_ranked_below_h_lg_per_seed(tmp_path):
     from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
     from workbench.experiments.runs import train_notebook_args

@@ -52,6 +52,15 @@ negative"), and our 2x4 core is none of them.
 Family `initial_interaction` (1 comparison, fixed on 2026-12-06 before H+LG was trained again with its checkpoints,
 `--profile hlg_checkpoints`): the log of I+H+LG's mean interaction over loop lags 2..K-1 over H+LG's ("Adding
 initial-state conditioning to H+LG reduced mean interaction over lags 2–6 by 7.4% and 4.2%"), down.
+Family `gating` (4 comparisons, fixed on 2026-12-06 before any of their runs; `--profile gating_seeds`): branch
+gating (BG) and AdaLN alone (no injection, no history) against each other and AdaLN against the loop gate alone
+(LG, the component_seeds profile's), each at r = 2K (the paper's L(r) = 56 on its 7x4 core, whose K = 4 is ours):
+BG minus AdaLN overall and in reasoning, each up ("For 7×4 at L(r)=56, BG outperformed AdaLN on overall (38.46 vs
+38.01) and reasoning (30.88 vs 29.12)"); AdaLN minus BG and minus LG in knowledge, each up ("AdaLN better
+preserved Knowledge"). LG minus AdaLN in reasoning at 2K is given with no direction: the paper reports it for its
+14x2 core ("LG beat AdaLN on reasoning for 14×2 at the same depth"), and ours is 2x4. BG minus plain, overall at
+2K, joins family `timestep` with no direction, as LG's ("Loop Gating (LG) and Branch Gating (BG) improved the 7×4
+setup"; "much smaller or negative gains" for 4x7 and 2x14).
 """
 
 from __future__ import annotations
@@ -93,6 +102,12 @@ COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - rea
                ("components", "hlg_over_h", "H+LG", "H(channel)", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
                ("components", "hlg_over_lg", "H+LG", "LG", "overall, mean over r = K, 1.5K, 2K, 3K", +1),
                ("timestep", "lg", "LG", "plain", "overall at 2K", 0),
+               ("timestep", "bg", "BG", "plain", "overall at 2K", 0),
+               ("gating", "bg_over_adaln", "BG", "AdaLN", "overall at 2K", +1),
+               ("gating", "bg_reasoning_over_adaln", "BG", "AdaLN", "reasoning at 2K", +1),
+               ("gating", "adaln_knowledge_over_bg", "AdaLN", "BG", "knowledge at 2K", +1),
+               ("gating", "adaln_knowledge_over_lg", "AdaLN", "LG", "knowledge at 2K", +1),
+               ("gating", "lg_reasoning_over_adaln", "LG", "AdaLN", "reasoning at 2K", 0),
                ("initial_interaction", "interaction_ihlg", "I+H+LG", "H+LG",
                 "log of mean C at each loop lag, averaged over lags 2..K-1, at r = K", -1))
 INTERACTION_FAMILIES = ("interaction", "combination_interaction", "initial_interaction")  # from interaction_by_run
@@ -100,11 +115,17 @@ INTERACTION_FAMILIES = ("interaction", "combination_interaction", "initial_inter
 FIRST_LAG = {"interaction_ihlg": 2}
 # the verdict of a window comparison whose arms train one model: at K loops the lags past K - 2 never act
 SAME_MODEL = "not identifiable: one model at this K"
+# the comparisons read at r = 2K alone (the paper's L(r) = 56 on its 7x4 core), and in which group
+AT_2K = {"lg": "overall", "bg": "overall", "bg_over_adaln": "overall", "bg_reasoning_over_adaln": "reasoning",
+         "adaln_knowledge_over_bg": "knowledge", "adaln_knowledge_over_lg": "knowledge",
+         "lg_reasoning_over_adaln": "reasoning"}
+# a timestep conditioning alone (no injection, no history), named as the paper names it
+GATES = {"loop_gate": "LG", "branch_gate": "BG", "adaln": "AdaLN"}
 
 
 def arm_of(cfg: dict) -> str:
-    """Return a run's arm: BaseLoop, plain, H+LG, H(dense), H(dense,w=2), I(scalar|channel|dense), the paper's
-    combinations with initial-state injection (I+H, I+LG, I+H+LG: channel-wise injection and channel-wise history
+    """Return a run's arm: BaseLoop, plain, H+LG, H(dense), H(dense,w=2), I(scalar|channel|dense), LG, BG, AdaLN,
+    the paper's combinations with initial-state injection (I+H, I+LG, I+H+LG: channel-wise injection and channel-wise history
     w = 1, as H+LG's), else a descriptive name; a history window other than 1 is part of the name (the paper's
     windows are arms)."""
     history, inject, timestep = int(cfg.get("history", 0)), cfg.get("inject", "none"), cfg.get("timestep", "none")
@@ -118,8 +139,8 @@ def arm_of(cfg: dict) -> str:
         return "+".join(parts)
     if history and timestep == "loop_gate" and inject == "none":
         return "H+LG" if op == "channel" and not w else f"H({op}{w})+LG"
-    if timestep == "loop_gate" and not history and inject == "none":
-        return "LG"
+    if timestep in GATES and not history and inject == "none":
+        return GATES[timestep]
     if history and timestep == "none" and inject == "none":
         return f"H({op}{w})"
     if inject != "none" and not history and timestep == "none":
@@ -194,8 +215,9 @@ def _statistic(acc: xr.DataArray, name: str, K: int) -> float:
         return float(acc.sel(group="knowledge", loop=at["2K"]) - acc.sel(group="knowledge", loop=at["K"]))
     if name == "hlg" or name.startswith("hlg_over_"):
         return float(overall.sel(loop=[at[k] for k in ("K", "1.5K", "2K", "3K")]).mean())
-    if name == "lg":  # the paper's budget L(r) = 56 on its 7x4 core: r = 2K
-        return float(overall.sel(loop=at["2K"]))
+    if name in AT_2K:  # the paper's budget L(r) = 56 on its 7x4 core: r = 2K
+        group = AT_2K[name]
+        return float((overall if group == "overall" else acc.sel(group=group)).sel(loop=at["2K"]))
     if name == "dense_history":
         return float(overall.sel(loop=at["3K"]))
     if name.startswith("reasoning_"):
@@ -366,7 +388,13 @@ PAPER = {"first_reasoning": "reasoning rose from 28.52 at L(r)=20 to 31.49 at L(
          "hlg_over_h": "beating its stronger individual component by 1.16 percentage points",
          "hlg_over_lg": "beating its stronger individual component by 1.16 percentage points",
          "lg": "its efficacy depends on the architecture",
-         "interaction_ihlg": "Adding initial-state conditioning to H+LG reduced mean interaction over lags 2–6"}
+         "interaction_ihlg": "Adding initial-state conditioning to H+LG reduced mean interaction over lags 2–6",
+         "bg": "Loop Gating (LG) and Branch Gating (BG) improved the 7×4 setup",
+         "bg_over_adaln": "For 7×4 at L(r)=56, BG outperformed AdaLN on overall (38.46 vs 38.01)",
+         "bg_reasoning_over_adaln": "BG outperformed AdaLN on overall ... and reasoning (30.88 vs 29.12)",
+         "adaln_knowledge_over_bg": "AdaLN better preserved Knowledge.",
+         "adaln_knowledge_over_lg": "AdaLN better preserved Knowledge.",
+         "lg_reasoning_over_adaln": "LG beat AdaLN on reasoning for 14×2 at the same depth (29.61 vs 28.78)"}
 
 
 def conditioning_claim_rows(claims: xr.Dataset) -> list[str]:
