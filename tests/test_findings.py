@@ -1779,3 +1779,22 @@ def test_the_combinations_interaction_holds_what_the_document_quotes():
     assert (f"the retrain minus plain is {ci.mean:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}] (seeds "
             f"{' / '.join(f'{v:+.3f}' for v in d)}) against the committed {quoted_comparison(s.sel(comparison='hlg'))[0]}"
             in reading)
+
+
+def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_path):
+    """The dense_windows_k6 runs committed as they end (read only when all nine have): each has the parameters of one
+    of the profile's train runs, no two the same run, all from one commit (its pre-registration names it)."""
+    import json
+
+    from workbench.pipeline.keys import expand
+    from workbench.pipeline.spec import load_spec
+
+    jobs = [j.params for j in expand(load_spec("conditioning", "dense_windows_k6"), tmp_path) if j.step == "train"]
+    assert len(jobs) == 9
+    runs = sorted((DOCS / "findings" / "conditioning_dense_windows_k6" / "train").glob("*/run.json"))
+    records = [json.loads(p.read_text()) for p in runs]
+    assert records and all(r["status"] == "done" for r in records)
+    matched = [jobs.index(r["params"]) for r in records]  # ValueError: a run the profile does not list
+    assert len(set(matched)) == len(matched)
+    assert {r["git_commit"][:7] for r in records} == {"5b2f196"}
+    assert f"{len(records)} of its 9 trainings done" in (DOCS / "findings.md").read_text()
