@@ -328,16 +328,22 @@ def test_the_hlg_checkpoints_profile_trains_the_seeds_profiles_h_lg_runs_again(t
     assert n == 3 and sorted(again) == [0, 1, 2] and again == first
 
 
-def test_h_lg_is_read_against_its_two_parts_and_the_loop_gate_against_plain(tmp_path):
-    from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
+def profile_arms(profile: str, tmp_path) -> list[tuple[str, int]]:
+    """Return the sorted (arm, seed) of a conditioning profile's train runs, arms named as the claims name them."""
+    from workbench.experiments.conditioning_findings import arm_of
     from workbench.experiments.runs import train_notebook_args
     from workbench.pipeline.keys import expand
     from workbench.pipeline.spec import load_spec
 
+    jobs = [j for j in expand(load_spec("conditioning", profile), tmp_path / profile) if j.step == "train"]
+    return sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
+
+
+def test_h_lg_is_read_against_its_two_parts_and_the_loop_gate_against_plain(tmp_path):
+    from workbench.experiments.conditioning_findings import conditioning_claims
+
     # the profile's runs are H+LG's two parts alone, three seeds each, named as the claims name them
-    jobs = [j for j in expand(load_spec("conditioning", "component_seeds"), tmp_path / "x") if j.step == "train"]
-    named = sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
-    assert named == sorted((a, sd) for a in ("H(channel)", "LG") for sd in (0, 1, 2))
+    assert profile_arms("component_seeds", tmp_path) == sorted((a, sd) for a in ("H(channel)", "LG") for sd in (0, 1, 2))
     rng = np.random.default_rng(4)
     k, r = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7]), np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
     at_2k = np.array([0, 0, 0, 0, 1, 0])  # r = 8: the one loop count the timestep comparison reads
@@ -362,15 +368,10 @@ def test_h_lg_is_read_against_its_two_parts_and_the_loop_gate_against_plain(tmp_
 
 
 def test_branch_gating_and_adaln_are_read_against_each_other_and_the_loop_gate_at_2k(tmp_path):
-    from workbench.experiments.conditioning_findings import arm_of, conditioning_claim_rows, conditioning_claims
-    from workbench.experiments.runs import train_notebook_args
-    from workbench.pipeline.keys import expand
-    from workbench.pipeline.spec import load_spec
+    from workbench.experiments.conditioning_findings import conditioning_claim_rows, conditioning_claims
 
     # the profile's runs are the two schemes alone, three seeds each, named as the paper names them
-    jobs = [j for j in expand(load_spec("conditioning", "gating_seeds"), tmp_path / "x") if j.step == "train"]
-    named = sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
-    assert named == sorted((a, sd) for a in ("BG", "AdaLN") for sd in (0, 1, 2))
+    assert profile_arms("gating_seeds", tmp_path) == sorted((a, sd) for a in ("BG", "AdaLN") for sd in (0, 1, 2))
     rng = np.random.default_rng(5)
     k, r = np.array([0.3, 0.7, 0.9, 0.85, 0.8, 0.7]), np.array([0.2, 0.5, 0.6, 0.62, 0.65, 0.6])
     at_2k = np.array([0, 0, 0, 0, 1, 0])  # r = 8: the one loop count the family reads
@@ -401,14 +402,9 @@ def test_branch_gating_and_adaln_are_read_against_each_other_and_the_loop_gate_a
 
 def test_the_combinations_are_named_as_the_paper_and_ranked_below_h_lg_per_seed(tmp_path):
     from workbench.experiments.conditioning_findings import arm_of, conditioning_claims
-    from workbench.experiments.runs import train_notebook_args
-    from workbench.pipeline.keys import expand
-    from workbench.pipeline.spec import load_spec
 
     # the profile's runs are the three combinations, three seeds each, named as the paper names them
-    jobs = [j for j in expand(load_spec("conditioning", "combination_seeds"), tmp_path / "x") if j.step == "train"]
-    named = sorted((arm_of(train_notebook_args(**j.params)["model"]), j.params["seed"]) for j in jobs)
-    assert named == sorted((a, sd) for a in ("I+H", "I+LG", "I+H+LG") for sd in (0, 1, 2))
+    assert profile_arms("combination_seeds", tmp_path) == sorted((a, sd) for a in ("I+H", "I+LG", "I+H+LG") for sd in (0, 1, 2))
     base = {"loops": 4, "prelude": 1, "coda": 1, "inject": "none", "history": 0, "timestep": "none"}
     assert arm_of({**base, "inject": "scalar", "history": 2}) == "I(scalar)+H(scalar,w=2)"  # not the paper's I+H
     rng = np.random.default_rng(3)

@@ -46,7 +46,7 @@ I+H's and over I+LG's ("H+LG showed 18.6% and 10.4% higher mean interaction over
 Family `components` (2 comparisons, fixed on 2026-12-05 before any of their runs; `--profile component_seeds`):
 H+LG minus channel-wise history alone (H(channel), w = 1) and minus the loop gate alone (LG), overall averaged over
 r = K, 1.5K, 2K, 3K as `hlg`, each up (H+LG "beating its stronger individual component by 1.16 percentage
-points"). Family `timestep` (1 comparison, fixed with them): LG minus plain, overall at 2K (the paper's L(r) = 56 on
+points"). Family `timestep` (LG's comparison fixed with them; BG's joined it with family `gating`, below): LG minus plain, overall at 2K (the paper's L(r) = 56 on
 its 7x4 core), no direction: the paper's gain "depends on the architecture" (7x4 up, 4x7 and 2x14 "much smaller or
 negative"), and our 2x4 core is none of them.
 Family `initial_interaction` (1 comparison, fixed on 2026-12-06 before H+LG was trained again with its checkpoints,
@@ -115,10 +115,8 @@ INTERACTION_FAMILIES = ("interaction", "combination_interaction", "initial_inter
 FIRST_LAG = {"interaction_ihlg": 2}
 # the verdict of a window comparison whose arms train one model: at K loops the lags past K - 2 never act
 SAME_MODEL = "not identifiable: one model at this K"
-# the comparisons read at r = 2K alone (the paper's L(r) = 56 on its 7x4 core), and in which group
-AT_2K = {"lg": "overall", "bg": "overall", "bg_over_adaln": "overall", "bg_reasoning_over_adaln": "reasoning",
-         "adaln_knowledge_over_bg": "knowledge", "adaln_knowledge_over_lg": "knowledge",
-         "lg_reasoning_over_adaln": "reasoning"}
+# the comparisons read at r = 2K alone (the paper's L(r) = 56 on its 7x4 core): {name: group or "overall"}
+AT_2K = {c[1]: c[4].removesuffix(" at 2K") for c in COMPARISONS if c[4].endswith(" at 2K")}
 # a timestep conditioning alone (no injection, no history), named as the paper names it
 GATES = {"loop_gate": "LG", "branch_gate": "BG", "adaln": "AdaLN"}
 
