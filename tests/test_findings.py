@@ -1513,8 +1513,8 @@ def test_dense_history_w4_at_k4_is_the_w2_model_and_the_document_says_so():
     for row in headline_rows() + table_rows((DOCS / "findings.md").read_text(), "<!-- /findings:conditioning -->"):
         if row[0] == "History-state injection rescues deep extrapolation":
             assert "w = 4 against w = 2: not identifiable at K = 4" in row[3]
-    assert ("| Dense history at w = 4 does worse past K than at w = 2 (seeds/004) | not identifiable at K = 4"
-            in (DOCS.parent / "README.md").read_text())
+    readme = (DOCS.parent / "README.md").read_text()
+    assert "not identifiable at K = 4: w = 4 trains the w = 2 model (4 loops reach lags 1-2 only" in readme
 
 
 def conditioning_claim_rows_of(claim: str) -> list[list[str]]:
@@ -1624,7 +1624,7 @@ def test_dense_history_windows_hold_what_the_document_quotes():
     assert len(head) == 2
     for row in head:
         assert f"dense w = 2, three seeds (the dense_windows profile): overall over 2K and 3K minus w = 1 {ci}" in row[2]
-        assert f"w = 2 against w = 1: {w.verdict.item()} (3 seeds, Holm over 2)" in row[3]
+        assert f"w = 2 against w = 1: {w.verdict.item()} at K = 4 (3 seeds, Holm over 2)" in row[3]
     assert (f"| Dense history at w = 2 does worse past K than at w = 1 (seeds/004) | {w.verdict.item()} "
             f"(3 seeds, Holm over 2): {ci}" in (DOCS.parent / "README.md").read_text())
     for key in ("af5e6f5597dfd57c", "e18298c47ea32f3f", "ef68494967ce126d"):  # dense H w = 2 seeds 0-2
@@ -1782,8 +1782,7 @@ def test_the_combinations_interaction_holds_what_the_document_quotes():
 
 
 def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_path):
-    """The dense_windows_k6 runs committed as they end (read only when all nine have): each has the parameters of one
-    of the profile's train runs, no two the same run, all from one commit (its pre-registration names it)."""
+    """The dense_windows_k6 runs: all nine of the profile's train runs, each once, all from the commit the reading names."""
     import json
 
     from workbench.pipeline.keys import expand
@@ -1793,8 +1792,52 @@ def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_p
     assert len(jobs) == 9
     runs = sorted((DOCS / "findings" / "conditioning_dense_windows_k6" / "train").glob("*/run.json"))
     records = [json.loads(p.read_text()) for p in runs]
-    assert records and all(r["status"] == "done" for r in records)
+    assert len(records) == 9 and all(r["status"] == "done" for r in records)
     matched = [jobs.index(r["params"]) for r in records]  # ValueError: a run the profile does not list
-    assert len(set(matched)) == len(matched)
+    assert sorted(matched) == list(range(9))
     assert {r["git_commit"][:7] for r in records} == {"5b2f196"}
-    assert f"{len(records)} of its 9 trainings done" in (DOCS / "findings.md").read_text()
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert "All nine ran at commit `5b2f196` in fp32" in reading
+
+
+def test_dense_history_windows_at_k6_hold_what_the_document_quotes():
+    """Dense history at w = 1, 2, 4 at K = 6 (family `windows`, its own folder): table, reading, rows and README."""
+    from workbench.experiments.conditioning_findings import _accuracy, conditioning_claim_rows, conditioning_claims
+
+    name = "conditioning_dense_windows_k6"
+    s, _ = summary_is_quoted(f"{name}/summary.nc", lambda: conditioning_claims(DOCS / "findings", name),
+                             conditioning_claim_rows)
+    acc, K = _accuracy(DOCS / "findings", name)
+    assert K == 6 and s.attrs["training_loops"] == 6 and len(acc) == 9
+    assert list(s.comparison.values) == ["window_2", "window_4"] and (s.family_size == 2).all() and (s.seeds == 3).all()
+    w1, w2, w4 = "H(dense)", "H(dense,w=2)", "H(dense,w=4)"
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+
+    def span(arm, loop, group="overall"):
+        return overall_span(acc, arm, loop) if group == "overall" else span_of(acc, arm, loop, group)
+    assert (f"overall {span(w1, K)} (w = 1), {span(w2, K)} (w = 2), {span(w4, K)} (w = 4)" in reading
+            and f"overall {span(w4, 9)} at 1.5K, {span(w4, 12)} at 2K and {span(w4, 18)} at 3K (knowledge "
+                f"{span(w4, 9, 'knowledge')} at 1.5K against w = 2's {span(w2, 9, 'knowledge')})" in reading
+            and f"({span(w1, 9)} and {span(w2, 9)} at 1.5K, {span(w1, 12)} and {span(w2, 12)} at 2K) and fall at 3K "
+                f"({span(w1, 18)} and {span(w2, 18)})" in reading)
+    w_2, w_4 = s.sel(comparison="window_2"), s.sel(comparison="window_4")
+    assert w_4.verdict.item() == "replicates" and (w_4.per_seed < 0).all()  # "lower in every seed"
+    assert w_2.verdict.item() == "inconclusive" and (w_2.per_seed > 0).all()  # "above w = 1 in every seed"
+    ci2, seeds2, bf2 = quoted_comparison(w_2)
+    ci4, seeds4, bf4 = quoted_comparison(w_4)
+    assert f"w = 4 minus w = 2 over 2K and 3K is {ci4} (seeds {seeds4}; Bonferroni {bf4}), lower in every seed" in reading
+    assert f"w = 2 minus w = 1 is {ci2} (seeds {seeds2}; Bonferroni {bf2}): inconclusive" in reading
+    at_k = sorted(float(acc[a, sd].sel(group=["knowledge", "reasoning"]).mean("group").sel(loop=K))
+                  for a in (w1, w2, w4) for sd in (0, 1, 2))
+    at_k = f"{at_k[0]:.2f}-{at_k[-1]:.2f}"
+    rows = conditioning_claim_rows_of("History-state injection rescues deep extrapolation")
+    assert len(rows) == 2
+    for row in rows:
+        assert (f"overall over 2K and 3K, w = 4 minus w = 2 {ci4} (seeds {seeds4}), w = 2 minus w = 1 {ci2} (seeds "
+                f"{seeds2}); overall at 1.5K {span(w4, 9)} (w = 4) against {span(w2, 9)} (w = 2) and {span(w1, 9)} "
+                f"(w = 1), all three {at_k} at K" in row[2])
+        assert "w = 2 against w = 1 at K = 6: inconclusive (3 seeds, Holm over 2), higher in every seed" in row[3]
+        assert "w = 4 against w = 2 at K = 6: replicates (3 seeds, Holm over 2), lower in every seed" in row[3]
+    readme = (DOCS.parent / "README.md").read_text()
+    assert f"replicates at K = 6 (3 seeds, Holm over 2; `--profile dense_windows_k6`): {ci4} overall past K" in readme
+    assert f"at K = 6 (`--profile dense_windows_k6`), where both hold to 2K: inconclusive (3 seeds, Holm over 2): {ci2}" in readme
