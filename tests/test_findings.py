@@ -644,7 +644,8 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
     verdicts = {r[0]: r[3] for r in rows}
     # the rows that meet the bar, each from 3 seeds with Holm in its family: allocation questions from the seeds
     # profile (in loss), BaseLoop's knowledge past K, dense injection's collapse, dense history's windows (w = 2
-    # below w = 1), H+LG above LG (the weaker of its parts), the matched truncation profile's 4 primary pairs and two retrofit claims
+    # below w = 1 at K = 4, w = 4 below w = 2 at K = 6), H+LG above LG (the weaker of its parts), φ < 1 at r = 4 on
+    # the ladder (2 of 3 token budgets), the matched truncation profile's 4 primary pairs and two retrofit claims
     assert [c for c, v in verdicts.items() if "replicates" in v] == [
         "Coda layers lower the terminal-to-core response ratio (computational interaction)",
         "Loops of a shared block cost loss against distinct layers at matched training compute",
@@ -652,6 +653,7 @@ def test_no_headline_verdict_replicates_on_one_models_windows_or_examples():
         "Prelude-heavy allocations extrapolate better", "Convergence alone does not explain extrapolation",
         "Initial-state injection is limited", "History-state injection rescues deep extrapolation",
         "History-state and timestep conditioning are the strongest pair",
+        "Recurrence-equivalence exponent φ: full BPTT, truncated, hyper-connections",
         "Full BPTT through fewer loops beats truncation at matched compute",
         "The gradient truncation loses is set near the output",
         "Retrofitting recurrent depth into a pretrained model: one step per loop, kept after annealing; extrapolation "
@@ -762,7 +764,11 @@ def test_the_phi_grid_is_flat_in_r_and_spans_what_the_document_says():
         if claim.startswith("Recurrence-equivalence"):
             # no number fitted from the phi_sweep grid as a result; the ladder's (seed intervals) may be quoted
             assert verdict.startswith("not identifiable with the phi_sweep grid") and "0.94" not in ours
-            assert "depth ladder" in ours and "replicates" not in verdict
+            # the grid's clause gives no verdict; only the ladder's (3 seeds, Holm) may replicate, and only φ < 1
+            assert "depth ladder" in ours
+            for clause in verdict_clauses(verdict):
+                assert "replicates" not in clause or (clause.startswith("on the ladder, φ < 1 (not its value) replicates")
+                                                      and "3 seeds" in clause), clause
 
 
 def test_the_taper_seeds_runs_cost_what_the_document_says_and_read_post_hoc_as_quoted():
@@ -1250,7 +1256,7 @@ def test_channel_injection_and_its_cross_loop_response_hold_what_the_document_qu
     for row in head:
         assert (f"minus plain {chi} (seeds {seeds}); its cross-loop response over dense's {ratio} (mean C over lags "
                 f"1-3 at K, {spans['I(channel)']} against {spans['I(dense)']})") in row[2]
-        assert "cross-loop response: opposite (3 seeds, 1 comparison)" in row[3]
+        assert "cross-loop response: opposite at r = K, not the paper's D = 84 (3 seeds, 1 comparison)" in row[3]
     assert f"| opposite (3 seeds, 1 comparison): {ratio} times dense's |" in (DOCS.parent / "README.md").read_text()
 
 
@@ -1580,7 +1586,7 @@ def test_h_lg_against_i_h_holds_what_the_document_quotes():
     rows = conditioning_claim_rows_of("History-state and timestep conditioning are the strongest pair")
     assert len(rows) == 2
     for row in rows:
-        assert f"H+LG minus I+H on the same statistic {ci}; H+LG minus I+LG {gci}; H+LG minus I+H+LG {hci}" in row[2]
+        assert f"H+LG minus I+H on the same statistic (the paper's at D = 84 alone) {ci}; H+LG minus I+LG {gci}; H+LG minus I+H+LG {hci}" in row[2]
         assert "against I+H+LG inconclusive (3 seeds, Holm over 3): above I+H+LG in every seed, the paper's order" in row[3]
         assert "against I+H inconclusive (3 seeds, Holm over 3): below I+H in every seed" in row[3]
         assert "against I+LG inconclusive (3 seeds, Holm over 3): above I+LG in every seed, the paper's order" in row[3]
@@ -1840,4 +1846,12 @@ def test_dense_history_windows_at_k6_hold_what_the_document_quotes():
         assert "w = 4 against w = 2 at K = 6: replicates (3 seeds, Holm over 2), lower in every seed" in row[3]
     readme = (DOCS.parent / "README.md").read_text()
     assert f"replicates at K = 6 (3 seeds, Holm over 2; `--profile dense_windows_k6`): {ci4} overall past K" in readme
-    assert f"at K = 6 (`--profile dense_windows_k6`), where both hold to 2K: inconclusive (3 seeds, Holm over 2): {ci2}" in readme
+    assert f"at K = 6 (`--profile dense_windows_k6`), where both fall slowly to 2K: inconclusive (3 seeds, Holm over 2): {ci2}" in readme
+    # "the two that replicate ... still exclude zero with Bonferroni over all four" (K = 4's family and this one)
+    from workbench.stats import simultaneous
+
+    k4 = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    assert k4.sel(comparison="window_2").verdict.item() == "replicates"
+    assert simultaneous(k4.sel(comparison="window_2").per_seed.values, 4).high < 0
+    assert simultaneous(w_4.per_seed.values, 4).high < 0
+    assert "still exclude zero with Bonferroni over all four" in reading
