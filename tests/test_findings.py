@@ -1806,6 +1806,27 @@ def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_p
     assert "All nine ran at commit `5b2f196` in fp32" in reading
 
 
+def test_the_committed_gating_runs_are_the_profiles_own_from_one_commit(tmp_path):
+    """The gating_seeds runs committed as they end (read only when all six have): each is one of the profile's train
+    runs, no two the same, all from the commit the not-run row names, and the document counts them."""
+    import json
+
+    from workbench.pipeline.keys import expand
+    from workbench.pipeline.spec import load_spec
+
+    jobs = [j.params for j in expand(load_spec("conditioning", "gating_seeds"), tmp_path) if j.step == "train"]
+    assert len(jobs) == 6
+    records = [json.loads(p.read_text()) for p in
+               sorted((DOCS / "findings" / "conditioning_gating_seeds" / "train").glob("*/run.json"))]
+    assert records and all(r["status"] == "done" and r["params"]["loops"] == 4 for r in records)
+    matched = [jobs.index(r["params"]) for r in records]  # ValueError: a run the profile does not list
+    assert len(set(matched)) == len(matched)
+    assert {r["git_commit"][:7] for r in records} == {"dcecf8d"}
+    text = (DOCS / "findings.md").read_text()
+    assert f"{len(records)} of its 6 trainings done, at `dcecf8d`" in text
+    assert f"{len(records)} of their 6 runs done, unread until all six end" in text
+
+
 def test_dense_history_windows_at_k6_hold_what_the_document_quotes():
     """Dense history at w = 1, 2, 4 at K = 6 (family `windows`, its own folder): table, reading, rows and README."""
     from workbench.experiments.conditioning_findings import _accuracy, conditioning_claim_rows, conditioning_claims
