@@ -1845,7 +1845,7 @@ def test_dense_history_windows_at_k6_hold_what_the_document_quotes():
     assert (f"overall {span(w1, K)} (w = 1), {span(w2, K)} (w = 2), {span(w4, K)} (w = 4)" in reading
             and f"overall {span(w4, 9)} at 1.5K, {span(w4, 12)} at 2K and {span(w4, 18)} at 3K (knowledge "
                 f"{span(w4, 9, 'knowledge')} at 1.5K against w = 2's {span(w2, 9, 'knowledge')})" in reading
-            and f"({span(w1, 9)} and {span(w2, 9)} at 1.5K, {span(w1, 12)} and {span(w2, 12)} at 2K) and fall at 3K "
+            and f"({span(w1, 9)} and {span(w2, 9)} at 1.5K, {span(w1, 12)} and {span(w2, 12)} at 2K) and collapse at 3K "
                 f"({span(w1, 18)} and {span(w2, 18)})" in reading)
     w_2, w_4 = s.sel(comparison="window_2"), s.sel(comparison="window_4")
     assert w_4.verdict.item() == "replicates" and (w_4.per_seed < 0).all()  # "lower in every seed"
