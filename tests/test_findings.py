@@ -1787,19 +1787,25 @@ def test_the_combinations_interaction_holds_what_the_document_quotes():
             in reading)
 
 
-def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_path):
-    """The dense_windows_k6 runs: all nine of the profile's train runs, each once, all from the commit the reading names."""
+def committed_profile_runs(profile: str, folder: str, tmp_path) -> tuple[list[dict], list[dict], list[int]]:
+    """Return a conditioning profile's train-run parameters, the finished run records committed under
+    docs/findings/<folder>/train, and each record's index among those parameters (ValueError: a run the profile does
+    not list)."""
     import json
 
     from workbench.pipeline.keys import expand
     from workbench.pipeline.spec import load_spec
 
-    jobs = [j.params for j in expand(load_spec("conditioning", "dense_windows_k6"), tmp_path) if j.step == "train"]
-    assert len(jobs) == 9
-    runs = sorted((DOCS / "findings" / "conditioning_dense_windows_k6" / "train").glob("*/run.json"))
-    records = [json.loads(p.read_text()) for p in runs]
-    assert len(records) == 9 and all(r["status"] == "done" for r in records)
-    matched = [jobs.index(r["params"]) for r in records]  # ValueError: a run the profile does not list
+    jobs = [j.params for j in expand(load_spec("conditioning", profile), tmp_path) if j.step == "train"]
+    records = [json.loads(p.read_text()) for p in sorted((DOCS / "findings" / folder / "train").glob("*/run.json"))]
+    assert all(r["status"] == "done" for r in records)
+    return jobs, records, [jobs.index(r["params"]) for r in records]
+
+
+def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_path):
+    """The dense_windows_k6 runs: all nine of the profile's train runs, each once, all from the commit the reading names."""
+    jobs, records, matched = committed_profile_runs("dense_windows_k6", "conditioning_dense_windows_k6", tmp_path)
+    assert len(jobs) == 9 and len(records) == 9
     assert sorted(matched) == list(range(9))
     assert {r["git_commit"][:7] for r in records} == {"5b2f196"}
     reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
@@ -1809,17 +1815,8 @@ def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_p
 def test_the_committed_gating_runs_are_the_profiles_own_from_one_commit(tmp_path):
     """The gating_seeds runs committed as they end (read only when all six have): each is one of the profile's train
     runs, no two the same, all from the commit the not-run row names, and the document counts them."""
-    import json
-
-    from workbench.pipeline.keys import expand
-    from workbench.pipeline.spec import load_spec
-
-    jobs = [j.params for j in expand(load_spec("conditioning", "gating_seeds"), tmp_path) if j.step == "train"]
-    assert len(jobs) == 6
-    records = [json.loads(p.read_text()) for p in
-               sorted((DOCS / "findings" / "conditioning_gating_seeds" / "train").glob("*/run.json"))]
-    assert records and all(r["status"] == "done" and r["params"]["loops"] == 4 for r in records)
-    matched = [jobs.index(r["params"]) for r in records]  # ValueError: a run the profile does not list
+    jobs, records, matched = committed_profile_runs("gating_seeds", "conditioning_gating_seeds", tmp_path)
+    assert len(jobs) == 6 and records and all(r["params"]["loops"] == 4 for r in records)
     assert len(set(matched)) == len(matched)
     assert {r["git_commit"][:7] for r in records} == {"dcecf8d"}
     text = (DOCS / "findings.md").read_text()
