@@ -1663,13 +1663,13 @@ def test_the_loop_gate_alone_holds_what_the_document_quotes():
         assert f"overall at 2K: {ci} (seeds {per_seed}); overall {overall_span(acc, 'LG', K)} at K" in row[2]
         assert (f"reasoning at 2K {spans['reasoning'][0]} against {spans['reasoning'][1]}, knowledge "
                 f"{spans['knowledge'][0]} against {spans['knowledge'][1]}" in row[2])
-        assert row[3].startswith("no verdict (3 seeds, 1 comparison)") and "`02ceeb2`" in row[2]
+        assert row[3].startswith("no verdict (3 seeds, 2 comparisons)") and "`02ceeb2`" in row[2]
     # "reasoning most": the gate's reasoning falls further below plain's than its knowledge does, in every seed
     for sd in (0, 1, 2):
         gap = {g: float(acc["plain", sd].sel(group=g, loop=2 * K) - acc["LG", sd].sel(group=g, loop=2 * K))
                for g in ("reasoning", "knowledge")}
         assert gap["reasoning"] > gap["knowledge"] > 0
-    assert (f"LG minus plain {ci} overall at 2K, below plain in every seed, reasoning most |"
+    assert (f"LG minus plain {ci} overall at 2K, below plain in every seed, reasoning most; BG minus plain"
             in (DOCS.parent / "README.md").read_text())
     assert hl.verdict.item() == "replicates" and int(hl.family_size) == 2 and int(hl.seeds) == 3
     ci, per_seed, corrected = quoted_comparison(hl)
@@ -1787,10 +1787,11 @@ def test_the_combinations_interaction_holds_what_the_document_quotes():
             in reading)
 
 
-def committed_profile_runs(profile: str, folder: str, tmp_path) -> tuple[list[dict], list[dict], list[int]]:
+def committed_profile_runs(profile: str, folder: str, tmp_path, only_the_profiles: bool = False
+                           ) -> tuple[list[dict], list[dict], list[int]]:
     """Return a conditioning profile's train-run parameters, the finished run records committed under
-    docs/findings/<folder>/train, and each record's index among those parameters (ValueError: a run the profile does
-    not list)."""
+    docs/findings/<folder>/train (with `only_the_profiles`, those whose parameters the profile lists), and each
+    record's index among those parameters (ValueError: a run the profile does not list)."""
     import json
 
     from workbench.pipeline.keys import expand
@@ -1798,6 +1799,8 @@ def committed_profile_runs(profile: str, folder: str, tmp_path) -> tuple[list[di
 
     jobs = [j.params for j in expand(load_spec("conditioning", profile), tmp_path) if j.step == "train"]
     records = [json.loads(p.read_text()) for p in sorted((DOCS / "findings" / folder / "train").glob("*/run.json"))]
+    if only_the_profiles:  # a folder several profiles share
+        records = [r for r in records if r["params"] in jobs]
     assert all(r["status"] == "done" for r in records)
     return jobs, records, [jobs.index(r["params"]) for r in records]
 
@@ -1812,16 +1815,96 @@ def test_the_committed_k6_window_runs_are_the_profiles_own_from_one_commit(tmp_p
     assert "All nine ran at commit `5b2f196` in fp32" in reading
 
 
-def test_the_committed_gating_runs_are_the_profiles_own_from_one_commit(tmp_path):
-    """The gating_seeds runs committed as they end (read only when all six have): each is one of the profile's train
-    runs, no two the same, all from the commit the not-run row names, and the document counts them."""
-    jobs, records, matched = committed_profile_runs("gating_seeds", "conditioning_gating_seeds", tmp_path)
-    assert len(jobs) == 6 and records and all(r["params"]["loops"] == 4 for r in records)
-    assert len(set(matched)) == len(matched)
+GATING_KEYS = {"BG": ("6a09d0ac87201e53", "224c585f49709a5d", "ed4d2bf43cf246e2"),
+               "AdaLN": ("81c1cc99546e3d35", "7bdecc495176b9c6", "4ba4c3aeac7f96e9")}
+
+
+def test_the_gating_runs_are_the_profiles_own_from_one_commit(tmp_path):
+    """The gating_seeds runs, moved into the seeds profile's folder when all six had ended: the profile's six train
+    runs, each once, from the commit the reading names, in fp32; the staging folder is gone."""
+    jobs, records, matched = committed_profile_runs("gating_seeds", "conditioning_seeds", tmp_path,
+                                                    only_the_profiles=True)
+    keys = [k for arm in GATING_KEYS.values() for k in arm]
+    assert len(jobs) == 6 and sorted(matched) == list(range(6))
+    assert sorted(r["key"] for r in records) == sorted(keys)
     assert {r["git_commit"][:7] for r in records} == {"dcecf8d"}
-    text = (DOCS / "findings.md").read_text()
-    assert f"{len(records)} of its 6 trainings done, at `dcecf8d`" in text
-    assert f"{len(records)} of their 6 runs done, unread until all six end" in text
+    for key in keys:
+        attrs = run_file(DOCS / "findings" / "conditioning_seeds" / "train" / key / "results.nc")["attrs"]
+        assert attrs["precision"] == "fp32" and attrs["git_commit"].startswith("dcecf8d")
+    assert not (DOCS / "findings" / "conditioning_gating_seeds").exists()
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+    assert "ran at commit `dcecf8d` in fp32 (`WORKBENCH_BF16=off`)" in reading
+    assert "AdaLN against the gating schemes |" not in (DOCS / "findings.md").read_text()  # no longer "not run"
+
+
+def test_branch_gating_and_adaln_hold_what_the_document_quotes():
+    """BG and AdaLN alone (gating_seeds, three seeds each): family `gating` (Holm over 4) and BG minus plain in
+    `timestep`, as the reading, the rows and the README quote them."""
+    from workbench.experiments.conditioning_findings import _accuracy
+
+    s = xr.load_dataset(DOCS / "findings" / "conditioning_seeds" / "summary.nc", engine="h5netcdf")
+    acc, K = _accuracy(DOCS / "findings", "conditioning_seeds")
+    for arm in GATING_KEYS:
+        assert sorted(sd for a, sd in acc if a == arm) == [0, 1, 2]
+    gating = [str(c) for c in s.comparison.values if s.family.sel(comparison=c).item() == "gating"]
+    assert gating == ["bg_over_adaln", "bg_reasoning_over_adaln", "adaln_knowledge_over_bg",
+                      "adaln_knowledge_over_lg", "lg_reasoning_over_adaln"]
+    assert (s.family_size.sel(comparison=gating) == 4).all() and (s.seeds.sel(comparison=gating) == 3).all()
+    reading = " ".join(section((DOCS / "findings.md").read_text(), "Loop conditioning").split())
+
+    def spans(arm, loops, group="overall"):
+        out = []
+        for x in loops:
+            v = overall_span(acc, arm, x) if group == "overall" else span_of(acc, arm, x, group)
+            lo, hi = v.split("-")
+            out.append(f"{lo} in all three seeds" if lo == hi else v)
+        return out
+    at = (1, 2, K, 2 * K, 3 * K)
+    bg, ada, plain = spans("BG", at), spans("AdaLN", at), spans("plain", at)
+    assert (f"BG overall {bg[0]} at r = 1, {bg[1]} at r = 2, {bg[2]} at K, {bg[3]} at 2K and {bg[4]} at 3K; "
+            f"AdaLN overall {ada[0]} at r = 1, {ada[1]} at r = 2, {ada[2]} at K, {ada[3]} at 2K and {ada[4]} at 3K; "
+            f"against the same seeds of plain's {', '.join(plain[:4])} and {plain[4]}" in reading)
+    said = {"bg_over_adaln": ("BG minus AdaLN overall", "inconclusive, below AdaLN in two seeds of three"),
+            "bg_reasoning_over_adaln": ("BG minus AdaLN in reasoning", "inconclusive, below AdaLN in every seed"),
+            "adaln_knowledge_over_bg": ("AdaLN minus BG in knowledge", "inconclusive, below BG in every seed"),
+            "adaln_knowledge_over_lg": ("AdaLN minus LG in knowledge", "inconclusive, above LG in every seed")}
+    for name, (what, verdict) in said.items():
+        c = s.sel(comparison=name)
+        ci, per_seed, corrected = quoted_comparison(c)
+        assert c.verdict.item() == "inconclusive" and c.sign.item() == 1
+        below = int((c.per_seed < 0).sum())
+        assert ("below" in verdict) == (below > 0) and (below == 3) == ("every seed" in verdict and "below" in verdict)
+        assert f"{what} is {ci} (seeds {per_seed}; Bonferroni {corrected}, Holm over 4): {verdict}" in reading, name
+    # "reversed in every seed for reasoning and for knowledge, by 0.02-0.11"
+    flipped = np.abs(np.concatenate([s.per_seed.sel(comparison=n).values for n in gating[1:3]]))
+    assert f"by {flipped.min():.2f}-{flipped.max():.2f}" in reading
+    for name, what in (("lg_reasoning_over_adaln", "LG minus AdaLN in reasoning"), ("bg", "BG minus plain overall at 2K")):
+        c = s.sel(comparison=name)
+        ci, per_seed, _ = quoted_comparison(c)
+        assert c.verdict.item() == "no direction" and (c.per_seed < 0).all()
+        assert f"{what} is {ci} (seeds {per_seed})" in reading, name
+    # the post hoc reading at 3K and r = 1
+    assert (f"BG keeps knowledge better than AdaLN ({spans('BG', [3 * K], 'knowledge')[0]} against "
+            f"{spans('AdaLN', [3 * K], 'knowledge')[0]}; plain {spans('plain', [3 * K], 'knowledge')[0]}) and AdaLN "
+            f"keeps reasoning better ({spans('AdaLN', [3 * K], 'reasoning')[0]} against "
+            f"{spans('BG', [3 * K], 'reasoning')[0]})" in reading)
+    assert (f"(knowledge {spans('AdaLN', [1], 'knowledge')[0]} against BG's {spans('BG', [1], 'knowledge')[0]})"
+            in reading)
+    rows = conditioning_claim_rows_of("Branch gating beats AdaLN, and AdaLN better preserves knowledge")
+    assert len(rows) == 2  # the headline and the conditioning section's row
+    quoted = {n: quoted_comparison(s.sel(comparison=n))[:2] for n in gating + ["bg"]}
+    for row in rows:
+        for n in gating:
+            assert f"{quoted[n][0]} (seeds {quoted[n][1]})" in row[2], n
+        assert f"overall at 2K BG {spans('BG', [2 * K])[0]}, AdaLN {spans('AdaLN', [2 * K])[0]}" in row[2]
+        assert row[3].startswith("inconclusive for all four (3 seeds, Holm over 4)") and "`dcecf8d`" in row[2]
+    for row in conditioning_claim_rows_of("Timestep conditioning helps, depending on the architecture"):
+        assert f"overall at 2K: {quoted['bg'][0]} (seeds {quoted['bg'][1]})" in row[2]
+    readme = (DOCS.parent / "README.md").read_text()
+    assert f"BG minus plain {quoted['bg'][0]}, below plain in every seed |" in readme
+    assert (f"BG minus AdaLN {quoted['bg_over_adaln'][0]} overall and {quoted['bg_reasoning_over_adaln'][0]} in "
+            f"reasoning at 2K; AdaLN minus BG {quoted['adaln_knowledge_over_bg'][0]} in knowledge" in readme)
+    assert f"AdaLN above LG in knowledge in every seed, {quoted['adaln_knowledge_over_lg'][0]} |" in readme
 
 
 def test_dense_history_windows_at_k6_hold_what_the_document_quotes():
