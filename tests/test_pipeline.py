@@ -803,6 +803,27 @@ def test_headlines_are_the_numbers_each_results_file_names(tmp_path):
     assert "0.300 to 0.450" in heads["phi_truncated"].text and heads["phi_truncated"].label == "φ (truncated)"
 
 
+def test_load_results_gives_each_caller_its_own_copy_and_rereads_a_rewritten_file(tmp_path):
+    """The findings readers' cached read of results.nc: xarray's own load, one copy per caller, never stale."""
+    import xarray as xr
+
+    from workbench.experiments.run_results import load_results
+    from workbench.io import save_results
+
+    ds = xr.Dataset({"loss": ("loop", [3.0, 2.5])}, coords={"loop": [1, 2]}, attrs={"note": "a"})
+    save_results(ds, tmp_path)
+    a = load_results(tmp_path)
+    xr.testing.assert_identical(a, xr.load_dataset(RunDir(tmp_path).results, engine="h5netcdf"))
+    a.loss[0] = 99.0
+    a.attrs["note"] = "changed"
+    b = load_results(tmp_path)  # from the cache: the first caller's changes stayed its own
+    assert float(b.loss[0]) == 3.0 and b.attrs["note"] == "a"
+    save_results(ds.assign(loss=ds.loss * 2), tmp_path)  # the same size, written anew (atomically: a new file)
+    assert float(load_results(tmp_path).loss[0]) == 6.0
+    with pytest.raises(FileNotFoundError, match="results.nc"):
+        load_results(tmp_path / "missing")
+
+
 def test_a_results_file_naming_no_headline_shows_the_loss_numbers_if_it_has_them():
     """Older runs (and train runs until train_run names its headline): loss over loop gives evals.loss_headline's
     numbers; anything else shows none, and so does a file that names an empty headline."""

@@ -32,6 +32,7 @@ import xarray as xr
 from ..config import fail
 from ..io import RunDir, find_runs, read_json
 from ..stats import claim_variables, correct_family, seed_interval
+from .run_results import load_results
 
 # (question, arm a, arm b or "", quantity, the paper's sign of the statistic): the comparisons, fixed before the runs
 BALANCE = ("balance", "1+2x6+1", "1+6x2+1", "drift", +1)
@@ -55,7 +56,7 @@ def _train_runs(runs_dir, pipeline: str) -> dict[tuple[str, int], dict]:
     out = {}
     for d in find_runs(pipeline, "train", runs_dir):
         p = read_json(RunDir(d).record, "run record").get("params") or {}
-        with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
+        with load_results(d) as ds:
             if "window_loss" not in ds:
                 raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
                                  f"rerun `workbench run {pipeline} --profile seeds`")
@@ -116,7 +117,7 @@ def _geometry(runs_dir, pipeline: str, runs: dict) -> dict[tuple[str, int], xr.D
         p = read_json(RunDir(d).record, "run record").get("params") or {}
         key = by_run.get(Path(str(p.get("checkpoint", ""))).name)
         if key is not None:
-            out[key] = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+            out[key] = load_results(d)
     return out
 
 

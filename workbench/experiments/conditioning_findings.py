@@ -76,6 +76,7 @@ import xarray as xr
 from ..io import RunDir, find_runs, read_json
 from ..stats import claim_variables, correct_family, seed_interval, verdict
 from ..train.config import history_reach
+from .run_results import load_results
 
 # (family, comparison, arm a, arm b or "", statistic, the paper's sign; 0: no direction claimed)
 COMPARISONS = (("seeds", "first_reasoning", "BaseLoop", "", "reasoning(2K) - reasoning(K)", +1),
@@ -152,7 +153,7 @@ def _runs(runs_dir, pipeline: str) -> tuple[dict[tuple[str, int], xr.Dataset], i
     """Return ({(arm, seed): results} of the done train runs, K), refusing two runs of one arm and seed or two K."""
     out, Ks = {}, set()
     for d in find_runs(pipeline, "train", runs_dir):
-        ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+        ds = load_results(d)
         cfg = json.loads(ds.attrs["config_json"])
         seed = int((read_json(RunDir(d).record, "run record").get("params") or {}).get("seed", 0))
         key = (arm_of(cfg), seed)

@@ -24,6 +24,7 @@ import xarray as xr
 from ..config import check_int
 from ..io import RunDir, find_runs
 from ..stats import holm, seed_interval, simultaneous, verdict
+from .run_results import load_results
 
 
 def bootstrap_ci(values: Any, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -285,7 +286,7 @@ def conditioning_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
 
     per = {}
     for d in find_runs("conditioning", "sweep", runs_dir):
-        ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+        ds = load_results(d)
         cfg = json.loads(ds.attrs["config_json"])
         per[variant_name(cfg)] = (ds, cfg)
     if not per:
@@ -416,7 +417,7 @@ def lost_gradient_summary(runs_dir: str | os.PathLike) -> xr.Dataset:
     """
     rows = {}
     for d in find_runs("lost_gradient", "lost_gradient", runs_dir):
-        ds = xr.load_dataset(RunDir(d).results, engine="h5netcdf")
+        ds = load_results(d)
         if "lost_half" in ds and ds.sizes["step"] > 1:
             rows[int(ds.attrs["finetune_backward_loops"])] = ds
     if not rows:
@@ -463,7 +464,7 @@ def _window_losses(d: Path) -> dict:
     from ..io import read_json
 
     p = read_json(RunDir(d).record, "run record").get("params") or {}
-    with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
+    with load_results(d) as ds:
         if "window_loss" not in ds:
             raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
                              "rerun the pipeline (`workbench run truncation --profile matched`) to pair per window")
@@ -590,7 +591,7 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
     runs = []
     for d in find_runs(pipeline, "train", runs_dir):
         p = read_json(RunDir(d).record, "run record").get("params") or {}
-        with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
+        with load_results(d) as ds:
             runs.append({"d_model": int(p.get("d_model", 128)), "steps": int(p.get("steps", 300)),
                          "seed": int(p.get("seed", 0)), "loops": int(p.get("loops", 4)),
                          "core": int(p.get("core", 2)), "loss": float(ds.final_loss),

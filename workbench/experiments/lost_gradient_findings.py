@@ -22,6 +22,7 @@ import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
 from ..stats import equivalence_verdict, seed_interval, simultaneous
+from .run_results import load_results
 
 KS = (1, 2, 4)  # the truncation depths compared, all well below 32
 PAIR = (32, 64)  # the paper's loop counts
@@ -46,7 +47,7 @@ def _deep_runs(runs_dir, pipeline: str) -> dict[int, xr.Dataset]:
         if seed in out:
             raise ValueError(f"two lost_gradient runs under {runs_dir} measure training seed {seed}: keep one")
         data_seeds.add(data_seed)
-        with xr.open_dataset(RunDir(d).results, engine="h5netcdf") as ds:
+        with load_results(d) as ds:
             out[seed] = ds[["lost", "rho"]].isel(step=0).load()
     if not out:
         raise FileNotFoundError(f"no finished {pipeline}/lost_gradient runs without a fine-tune under {runs_dir}")

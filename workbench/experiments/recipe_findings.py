@@ -29,6 +29,7 @@ import xarray as xr
 
 from ..io import RunDir, find_runs, read_json
 from ..stats import claim_variables, correct_family, seed_interval
+from .run_results import load_results
 
 CHANCE = 0.10  # ten residues: the most common answer's share of uniformly drawn examples
 HOLD = 0.7  # the paper's extrapolation threshold: accuracy held at or above 70%
@@ -55,7 +56,7 @@ def _run_dirs(runs_dir, pipeline: str, step: str) -> dict[int, Path]:
 
 def _by_seed(runs_dir, pipeline: str, step: str) -> dict[int, xr.Dataset]:
     """Return {seed: results Dataset} of a step's finished runs (one per seed; a second is an error)."""
-    return {s: xr.load_dataset(RunDir(d).results, engine="h5netcdf") for s, d in _run_dirs(runs_dir, pipeline, step).items()}
+    return {s: load_results(d) for s, d in _run_dirs(runs_dir, pipeline, step).items()}
 
 
 def _upstream_anneals(runs_dir, pipeline: str, inverse: dict[int, Path]) -> dict[int, xr.Dataset]:
@@ -68,7 +69,7 @@ def _upstream_anneals(runs_dir, pipeline: str, inverse: dict[int, Path]) -> dict
             raise ValueError(f"{d} continued from anneal {upstream[0]}, which is not under {Path(runs_dir) / pipeline}:"
                              " keep a seed's whole chain in one runs folder")
         if hits:
-            out[seed] = xr.load_dataset(RunDir(hits[0]).results, engine="h5netcdf")
+            out[seed] = load_results(hits[0])
     return out
 
 
@@ -115,7 +116,7 @@ def recipe_claims(runs_dir: str | os.PathLike, pipeline: str = "retrofit_recipe"
         raise ValueError(f"no finished {pipeline}/anneal run under {runs_dir}: run `workbench run {pipeline} "
                          "--profile laptop --jobs 1` first")
     scratch, inverse_dirs = _by_seed(runs_dir, pipeline, "scratchpad"), _run_dirs(runs_dir, pipeline, "inverse")
-    inverse = {s: xr.load_dataset(RunDir(d).results, engine="h5netcdf") for s, d in inverse_dirs.items()}
+    inverse = {s: load_results(d) for s, d in inverse_dirs.items()}
     before = _upstream_anneals(runs_dir, pipeline, inverse_dirs)
     seeds = sorted(anneal)
     per = {s: _values(anneal[s], scratch.get(s), inverse.get(s), before.get(s)) for s in seeds}
