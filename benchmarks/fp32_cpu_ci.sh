@@ -9,8 +9,9 @@
 # fp32 take ATen's AVX2 path and bf16 about 3x slower than fp32 (the issue measured 3.8x on a real one);
 # WORKBENCH_BF16=off is what "auto" resolves to there. Two tests that read "auto" from the CPU's flags would fail
 # under it (the variable overrides the flags they check), so they are deselected here; real CI runs them.
-# The cores' own speed is not emulated: an EPYC measured 1.5x slower than this on an AMX Xeon
-# (docs/benchmarks.md, 2026-12-07), so compare commits here, and scale before quoting an EPYC time.
+# The cores' own speed is not emulated: the EPYC's run of 1e61ac1 took 1.14x to 1.51x this emulation's on an AMX
+# Xeon whose speed drifted (docs/benchmarks.md, 2026-12-07), so compare commits back to back here, and scale by
+# such a pair before quoting an EPYC time.
 set -u
 commit=${1:?usage: bash benchmarks/fp32_cpu_ci.sh COMMIT [CLONE_DIR]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
