@@ -56,14 +56,14 @@ def _train_runs(runs_dir, pipeline: str) -> dict[tuple[str, int], dict]:
     out = {}
     for d in find_runs(pipeline, "train", runs_dir):
         p = read_json(RunDir(d).record, "run record").get("params") or {}
-        with load_results(d) as ds:
-            if "window_loss" not in ds:
-                raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
-                                 f"rerun `workbench run {pipeline} --profile seeds`")
-            w = ds.window_loss.transpose("loop", "window")
-            out[(arm_name(p), int(p.get("seed", 0)))] = {
-                "K": int(p.get("loops", 4)), "loops": [int(v) for v in w.loop.values],
-                "windows": w.values.astype(np.float64), "run": d.name, "data_seed": int(p.get("data_seed", -1))}
+        ds = load_results(d)
+        if "window_loss" not in ds:
+            raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
+                             f"rerun `workbench run {pipeline} --profile seeds`")
+        w = ds.window_loss.transpose("loop", "window")
+        out[(arm_name(p), int(p.get("seed", 0)))] = {
+            "K": int(p.get("loops", 4)), "loops": [int(v) for v in w.loop.values],
+            "windows": w.values.astype(np.float64), "run": d.name, "data_seed": int(p.get("data_seed", -1))}
     if not out:
         raise FileNotFoundError(f"no finished {pipeline}/train runs under {runs_dir}")
     return out

@@ -464,13 +464,13 @@ def _window_losses(d: Path) -> dict:
     from ..io import read_json
 
     p = read_json(RunDir(d).record, "run record").get("params") or {}
-    with load_results(d) as ds:
-        if "window_loss" not in ds:
-            raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
-                             "rerun the pipeline (`workbench run truncation --profile matched`) to pair per window")
-        r = int(p.get("loops", 4))
-        losses = ds.window_loss.sel(loop=r).values.astype(np.float64)
-        steps, tokens = int(ds.sizes["step"]), float(ds.tokens)
+    ds = load_results(d)
+    if "window_loss" not in ds:
+        raise ValueError(f"{RunDir(d).results} has no window_loss (runs before issue 27 kept only the mean): "
+                         "rerun the pipeline (`workbench run truncation --profile matched`) to pair per window")
+    r = int(p.get("loops", 4))
+    losses = ds.window_loss.sel(loop=r).values.astype(np.float64)
+    steps, tokens = int(ds.sizes["step"]), float(ds.tokens)
     k = int(p.get("backward_loops") or 0) or r
     return {"run": d.name, "d_model": int(p.get("d_model", 128)), "flops": float(p.get("flops") or 0.0),
             "loops": r, "backward_loops": k, "seed": int(p.get("seed", 0)),
@@ -591,11 +591,11 @@ def phi_ladder(runs_dir: str | os.PathLike, pipeline: str = "phi_ladder") -> xr.
     runs = []
     for d in find_runs(pipeline, "train", runs_dir):
         p = read_json(RunDir(d).record, "run record").get("params") or {}
-        with load_results(d) as ds:
-            runs.append({"d_model": int(p.get("d_model", 128)), "steps": int(p.get("steps", 300)),
-                         "seed": int(p.get("seed", 0)), "loops": int(p.get("loops", 4)),
-                         "core": int(p.get("core", 2)), "loss": float(ds.final_loss),
-                         "n_once": float(ds.n_once), "n_rec": float(ds.n_rec)})
+        ds = load_results(d)
+        runs.append({"d_model": int(p.get("d_model", 128)), "steps": int(p.get("steps", 300)),
+                     "seed": int(p.get("seed", 0)), "loops": int(p.get("loops", 4)),
+                     "core": int(p.get("core", 2)), "loss": float(ds.final_loss),
+                     "n_once": float(ds.n_once), "n_rec": float(ds.n_rec)})
     if not runs:
         raise FileNotFoundError(f"no finished {pipeline}/train runs under {runs_dir}")
     cells = sorted({(q["d_model"], q["steps"]) for q in runs})

@@ -47,8 +47,7 @@ def _deep_runs(runs_dir, pipeline: str) -> dict[int, xr.Dataset]:
         if seed in out:
             raise ValueError(f"two lost_gradient runs under {runs_dir} measure training seed {seed}: keep one")
         data_seeds.add(data_seed)
-        with load_results(d) as ds:
-            out[seed] = ds[["lost", "rho"]].isel(step=0).load()
+        out[seed] = load_results(d)[["lost", "rho"]].isel(step=0)
     if not out:
         raise FileNotFoundError(f"no finished {pipeline}/lost_gradient runs without a fine-tune under {runs_dir}")
     if len(data_seeds) > 1:

@@ -27,8 +27,8 @@ import torch
 import xarray as xr
 
 from ..config import LoopConfig, check_bool, check_float, check_int, fail
-from ..io import (RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance,
-                  read_json, refuse_foreign_files, save_results, write_run_config)
+from ..io import (RUN_CONFIG, TOKENIZER, RunDir, clear_run, holds_run, provenance, read_json,
+                  refuse_foreign_files, save_results, write_run_config)
 from ..locking import RunLock
 from .run_results import load_results
 
@@ -355,7 +355,7 @@ def _train_run_processes(nproc: int, kwargs: dict) -> tuple[Run, xr.Dataset]:
         raise RuntimeError(f"train_run on nproc={nproc} processes (torchrun) failed with exit status "
                            f"{proc.returncode}; the end of its output:\n{tail}")
     out = Path(kwargs["out_dir"])
-    return load_run(out), load_results(out)
+    return load_run(out), xr.load_dataset(RunDir(out).results, engine="h5netcdf")
 
 
 def train_run(out_dir: str | os.PathLike, model: dict, train: dict, corpus: str = "stdlib", vocab_size: int = 2048,
@@ -689,6 +689,5 @@ def sweep_table(run_dirs: Sequence[str | os.PathLike], var: str = "loss") -> xr.
     """Return ds[var] of every run's results.nc stacked along a new dim `run` (coords: run folder names)."""
     arrays = []
     for d in run_dirs:
-        with load_results(d) as ds:
-            arrays.append(ds[var].load())
+        arrays.append(load_results(d)[var])
     return xr.concat(arrays, dim="run", join="outer").assign_coords(run=[Path(d).name for d in run_dirs])
