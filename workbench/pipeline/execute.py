@@ -70,7 +70,8 @@ def socket_kernel_manager_class():
 
 def _kernel_manager_class():
     """Return a socket kernel manager class for one run: the kernel's stderr goes to kernel.log in its working
-    directory, and its shutdown waits long only while a cell executes (`cell_hooks` tells it which)."""
+    directory; while a cell executes its shutdown gives the kernel time to save, once all are done it kills it at once
+    (`cell_hooks` tells it which)."""
 
     from traitlets import Float
 
