@@ -287,14 +287,12 @@ class LocalExecutor:
                 for f in as_completed(futures):
                     yield f.result()
             except BaseException:  # Ctrl-C (or the caller stopped reading): start nothing more; kernels save
-                # shutdown(wait=False) lets go of the pool's manager thread, so the with-block's own shutdown can no
-                # longer join it; left running, it closed its wake-up pipe while Python's exit wrote into it, and
-                # Ctrl-C printed a traceback (concurrent.futures' _python_exit; seen once, test_pipeline.py at -n 2)
-                manager = getattr(pool, "_executor_manager_thread", None)
-                pool.shutdown(wait=False, cancel_futures=True)
+                for f in futures:  # what no worker holds yet; stop_started stops the workers and their kernels
+                    f.cancel()
                 stop_started()
-                if manager is not None:  # its workers are gone now, so it ends within moments
-                    manager.join(timeout=30)
+                # the with-block's shutdown then joins the pool's manager thread. An earlier shutdown(wait=False)
+                # here let go of it, and Python's exit raced the still-running thread for its wake-up pipe: a
+                # traceback under Ctrl-C's one line (concurrent.futures' _python_exit; seen once at -n 2)
                 raise
 
     def close(self) -> None:
