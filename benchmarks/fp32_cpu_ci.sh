@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Time `CI=true bash .ci/run` on a fresh clone with this CPU told to run like an fp32-only one (issue 26).
+# Time `CI=true bash .ci/run` on a fresh clone, with this CPU told to run like an fp32-only one (issue 26), or as it is (--native).
 #
-# Usage: bash benchmarks/fp32_cpu_ci.sh COMMIT [CLONE_DIR]    (CLONE_DIR defaults to ../fp32-ci-COMMIT)
-# Prints the last lines of the run and "rc=... wall=... s"; the whole log is CLONE_DIR.log.
+# Usage: bash benchmarks/fp32_cpu_ci.sh [--native] COMMIT [CLONE_DIR]    (CLONE_DIR defaults to ../fp32-ci-COMMIT)
+# Prints the CPU's bf16 flags, the last lines of the run and "rc=... wall=... s"; the whole log is CLONE_DIR.log.
+# --native: no emulation, the fresh-clone run exactly as CI makes it (what to time on a CPU that has neither
+# amx_bf16 nor avx512_bf16, where issue 26's 12 minutes are to be measured).
 #
 # Why an emulation: the slowest kind of machine this project runs on has neither amx_bf16 nor avx512_bf16,
 # and a session cannot choose its CPU. Holding ATen to AVX2 kernels and oneDNN below its bf16/AMX paths makes
@@ -13,7 +15,9 @@
 # Xeon whose speed drifted (docs/benchmarks.md, 2026-12-07), so compare commits back to back here, and scale by
 # such a pair before quoting an EPYC time.
 set -u
-commit=${1:?usage: bash benchmarks/fp32_cpu_ci.sh COMMIT [CLONE_DIR]}
+native=0
+if [ "${1:-}" = "--native" ]; then native=1; shift; fi
+commit=${1:?usage: bash benchmarks/fp32_cpu_ci.sh [--native] COMMIT [CLONE_DIR]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 # beside the repository by default: CI's clone sits beside shared/, which the seed-file tests read
 clone=${2:-$repo/../fp32-ci-$commit}
@@ -22,14 +26,21 @@ if [ -e "$clone" ]; then
   exit 2
 fi
 git clone -q "$repo" "$clone" && git -C "$clone" checkout -q "$commit" || exit 2
-export CI=true ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX512_CORE WORKBENCH_BF16=off
-flags=tests/test_fast_path.py
-export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --deselect $flags::test_workbench_bf16_off_makes_auto_fp32_on_a_bf16_host --deselect $flags::test_the_trainer_resolves_auto_from_the_flags_it_reads"
+export CI=true
+cpu_flags=$(grep -o -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')
+if [ "$native" = 1 ]; then
+  echo "native run; this CPU's bf16 flags: ${cpu_flags:-none (fp32-only)}" | tee "$clone.log"
+else
+  echo "emulated fp32-only run; this CPU's bf16 flags: ${cpu_flags:-none}" | tee "$clone.log"
+  export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX512_CORE WORKBENCH_BF16=off
+  flags=tests/test_fast_path.py
+  export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --deselect $flags::test_workbench_bf16_off_makes_auto_fp32_on_a_bf16_host --deselect $flags::test_the_trainer_resolves_auto_from_the_flags_it_reads"
+fi
 # empty token and compile caches, as on a fresh machine
 cache=$(mktemp -d)
 export WORKBENCH_CACHE=$cache/workbench TORCHINDUCTOR_CACHE_DIR=$cache/inductor
 start=$(date +%s)
-(cd "$clone" && bash .ci/run) > "$clone.log" 2>&1
+(cd "$clone" && bash .ci/run) >> "$clone.log" 2>&1
 rc=$?
 echo "rc=$rc wall=$(( $(date +%s) - start )) s" | tee -a "$clone.log"
 tail -4 "$clone.log" | head -3
