@@ -55,7 +55,8 @@ def main(rounds: int = 8) -> None:
                 times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     for name, m in med.items():
-        print(f"{name:>24}: median {m:.3f} s per notebook run ({rounds} runs: {min(times[name]):.3f}-{max(times[name]):.3f} s)")
+        lo, hi = min(times[name]), max(times[name])
+        print(f"{name:>24}: median {m:.3f} s per notebook run ({rounds} runs: {lo:.3f}-{hi:.3f} s)")
     a, b = med.values()
     print(f"the runner's client takes {b / a:.2f}x the time, {a - b:.3f} s less per kernel start")
 

@@ -304,7 +304,7 @@ def test_a_run_kernel_is_ready_when_it_answers_and_a_dead_one_is_reported(tmp_pa
             while True:
                 m = await kc.get_iopub_msg(timeout=60)
                 if m["parent_header"].get("msg_id") != msg_id:
-                    continue  # what wait_for_ready left unread (the kernel_info request's status), as nbclient skips it
+                    continue  # what wait_for_ready left unread (kernel_info's status), as nbclient skips it
                 if m["msg_type"] == "stream":
                     out.append(m["content"]["text"])
                 if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":

@@ -48,7 +48,7 @@ def now() -> str:
 
 
 def _ready_client_class():
-    """Return an async kernel client class whose `wait_for_ready` returns once the kernel answers, without draining IOPub."""
+    """Return an async kernel client class whose `wait_for_ready` returns once the kernel answers (no IOPub drain)."""
     from queue import Empty
 
     from jupyter_client.asynchronous import AsyncKernelClient
@@ -58,8 +58,9 @@ def _ready_client_class():
             """Return None once the kernel has answered kernel_info on shell and IOPub delivers its messages.
 
             As jupyter_client's own, but without its last step, which drains IOPub until it has been silent for
-            0.2 s: a fixed 0.2 s of every kernel start (a tiny notebook run took 0.42 s instead of 0.62 s without
-            it, 2026-12-07), for messages no reader needs (nbclient takes a cell's output by its request's id).
+            0.2 s: a fixed 0.2 s of every kernel start (a tiny notebook run 0.41 s instead of 0.65 s, median of 10 by
+            benchmarks/bench_kernel_start.py, 2026-12-07), for messages no reader needs (nbclient takes a cell's
+            output by its request's id, and skips the rest).
             """
             deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
             while True:
@@ -69,7 +70,7 @@ def _ready_client_class():
                 except Empty:
                     msg = None
                 if msg is not None and msg["msg_type"] == "kernel_info_reply":
-                    try:  # IOPub connected: a message (the kernel's busy status) arrives; else ask again
+                    try:  # IOPub connected: a message (a status, or ipykernel's welcome) arrives; else ask again
                         await self.get_iopub_msg(timeout=0.2)
                     except Empty:
                         pass
