@@ -47,57 +47,12 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _ready_client_class():
-    """Return an async kernel client class whose `wait_for_ready` returns once the kernel answers (no IOPub drain)."""
-    from queue import Empty
-
-    from jupyter_client.asynchronous import AsyncKernelClient
-
-    class ReadyKernelClient(AsyncKernelClient):
-        async def wait_for_ready(self, timeout: float | None = None) -> None:
-            """Return None once the kernel has answered kernel_info on shell and IOPub delivers its messages.
-
-            As jupyter_client's own, but without its last step, which drains IOPub until it has been silent for
-            0.2 s: a fixed 0.2 s of every kernel start (a tiny notebook run 0.41 s instead of 0.65 s, median of 10 by
-            benchmarks/bench_kernel_start.py, 2026-12-07), for messages no reader needs (nbclient takes a cell's
-            output by its request's id, and skips the rest).
-            """
-            deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
-            while True:
-                self.kernel_info()
-                try:
-                    msg = await self.get_shell_msg(timeout=1)
-                except Empty:
-                    msg = None
-                if msg is not None and msg["msg_type"] == "kernel_info_reply":
-                    try:  # IOPub connected: a message (a status, or ipykernel's welcome) arrives; else ask again
-                        await self.get_iopub_msg(timeout=0.2)
-                    except Empty:
-                        pass
-                    else:
-                        self._handle_kernel_info_reply(msg)  # the protocol version to adapt to, as jupyter_client
-                        return
-                if not await self.is_alive():
-                    raise RuntimeError("Kernel died before replying to kernel_info")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"Kernel didn't respond in {timeout:.0f} seconds")
-
-    return ReadyKernelClient
-
-
 def socket_kernel_manager_class():
-    """Return a kernel manager class whose kernel talks over Unix sockets of its own (TCP where there are none) and
-    whose client is ready as soon as the kernel answers."""
+    """Return a kernel manager class whose kernel talks over Unix sockets of its own (TCP where there are none)."""
     from jupyter_client.manager import AsyncKernelManager
-    from traitlets import CaselessStrEnum, default
-
-    ready_client = _ready_client_class()
+    from traitlets import CaselessStrEnum
 
     class SocketKernelManager(AsyncKernelManager):
-        @default("client_factory")
-        def _ready_client(self):
-            return ready_client
-
         # jupyter_client picks "free" TCP ports by binding and releasing them, so two kernels started at once
         # (parallel runs, another pipeline, a test beside it) can pick the same port and one dies at start
         # (its known race; a CI run lost a run to it). A socket path of our own cannot be taken by another;
