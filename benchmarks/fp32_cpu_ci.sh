@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Time `CI=true bash .ci/run` on a fresh clone, with this CPU told to run like an fp32-only one (issue 26), or as it is (--native).
+# Time `CI=true bash .ci/run` on a fresh clone, with this CPU told to run like an fp32-only one (issue 26),
+# or as it is (--native).
 #
 # Usage: bash benchmarks/fp32_cpu_ci.sh [--native] COMMIT [CLONE_DIR]    (CLONE_DIR defaults to ../fp32-ci-COMMIT)
 # Prints the CPU's bf16 flags, the last lines of the run and "rc=... wall=... s"; the whole log is CLONE_DIR.log.
@@ -28,13 +29,12 @@ fi
 git clone -q "$repo" "$clone" && git -C "$clone" checkout -q "$commit" || exit 2
 export CI=true
 cpu_flags=$(grep -o -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')
-if [ "$native" = 1 ]; then
-  echo "native run; this CPU's bf16 flags: ${cpu_flags:-none (fp32-only)}" | tee "$clone.log"
-else
-  echo "emulated fp32-only run; this CPU's bf16 flags: ${cpu_flags:-none}" | tee "$clone.log"
+mode="emulated fp32-only"; [ "$native" = 1 ] && mode=native
+echo "$mode run; this CPU's bf16 flags: ${cpu_flags:-none (fp32-only)}" | tee "$clone.log"
+if [ "$native" = 0 ]; then
   export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX512_CORE WORKBENCH_BF16=off
-  flags=tests/test_fast_path.py
-  export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --deselect $flags::test_workbench_bf16_off_makes_auto_fp32_on_a_bf16_host --deselect $flags::test_the_trainer_resolves_auto_from_the_flags_it_reads"
+  fast_path=tests/test_fast_path.py
+  export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --deselect $fast_path::test_workbench_bf16_off_makes_auto_fp32_on_a_bf16_host --deselect $fast_path::test_the_trainer_resolves_auto_from_the_flags_it_reads"
 fi
 # empty token and compile caches, as on a fresh machine
 cache=$(mktemp -d)
